@@ -1,0 +1,109 @@
+"""The communication lane: runs communication rounds one at a time, beside the compute lane.
+
+A round is a plain function (reduce, sharded optimizer step, all-gather). The lane runs it on
+a dedicated worker thread with its own process group, so the thread that computes
+micro-batches never blocks on the network until it asks for the result. On an accelerator
+with streams the worker issues its kernels on a side stream that first waits for the work
+the compute stream queued before the submit (the copy into the communication buffer).
+
+Tests swap in a lane that delays or gates rounds to check asynchrony structurally.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as _FutureTimeout
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class CommTimeoutError(RuntimeError):
+    """A communication round did not finish within ``acco.comm_timeout_s``."""
+
+
+class RoundHandle:
+    """A submitted round: poll with :meth:`done`, collect with :meth:`CommLane.wait`."""
+
+    def __init__(self, name: str, future: Future):
+        self.name = name
+        self.future = future
+        self.submitted_at = time.perf_counter()
+        self.started_at: Optional[float] = None
+        self.finished_at: Optional[float] = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class CommLane:
+    """Runs rounds in order on one worker thread (or inline when ``synchronous``).
+
+    ``accelerator`` is DeepSpeed's accelerator object (or anything with the same
+    ``Stream``/``Event``/``stream``/``is_synchronized_device`` methods); with a synchronized
+    device (CPU) no stream is used.
+    """
+
+    def __init__(self, *, synchronous: bool = False, timeout_s: float = 1800.0, accelerator: Any = None):
+        self.synchronous = synchronous
+        self.timeout_s = timeout_s
+        self._accel = accelerator
+        self._use_streams = accelerator is not None and not accelerator.is_synchronized_device()
+        self._stream = accelerator.Stream() if self._use_streams else None
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+        self.rounds_submitted = 0
+
+    def submit(self, name: str, fn: Callable[[], Any]) -> RoundHandle:
+        """Start ``fn`` as the next round and return at once (inline when synchronous)."""
+        ready = None
+        if self._use_streams:
+            ready = self._accel.Event()
+            ready.record()  # on the compute stream: everything queued so far, incl. the buffer copy
+        future: Future = Future()
+        handle = RoundHandle(name, future)
+        self.rounds_submitted += 1
+
+        def run():
+            handle.started_at = time.perf_counter()
+            try:
+                with torch.no_grad():  # rounds never build graphs
+                    if self._stream is not None:
+                        with self._accel.stream(self._stream):
+                            self._stream.wait_event(ready)
+                            out = fn()
+                        self._stream.synchronize()
+                    else:
+                        out = fn()
+            except BaseException as exc:  # handed to the waiting thread
+                handle.finished_at = time.perf_counter()
+                future.set_exception(exc)
+                return
+            handle.finished_at = time.perf_counter()
+            future.set_result(out)
+
+        if self.synchronous:
+            run()
+        else:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-comm")
+                self._pool.submit(run)
+        return handle
+
+    def wait(self, handle: RoundHandle) -> Any:
+        """Block until ``handle`` finishes; re-raise its error; bounded by ``timeout_s``."""
+        try:
+            return handle.future.result(timeout=self.timeout_s)
+        except _FutureTimeout:
+            raise CommTimeoutError(
+                f"communication round '{handle.name}' did not finish within {self.timeout_s:g} s "
+                "(acco.comm_timeout_s): a peer rank may have died or the network is stalled") from None
+
+    def close(self) -> None:
+        """Stop the worker thread (after the round in flight, if any)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

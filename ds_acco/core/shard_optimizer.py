@@ -1,0 +1,98 @@
+"""One step of any torch optimizer on this rank's fp32 master shards, kept or discarded.
+
+``Opt(θ, S, g)`` of ACCO.md. The commit keeps the result; the estimate restores the shards,
+the per-parameter state and the param-group settings bit for bit afterwards, whatever the
+optimizer keeps there (moments, step counters, momentum buffers), so no optimizer is
+special-cased.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List, Sequence
+
+import torch
+
+_GROUP_PARAMS = "params"
+
+
+class ShardOptimizer:
+    """Drives ``optimizer`` whose params are exactly ``masters`` (one fp32 shard per group)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]):
+        self.optimizer = optimizer
+        self.masters = list(masters)
+        owned = {id(p) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
+        if owned != {id(m) for m in self.masters}:
+            raise ValueError("the optimizer must own exactly the master shards")
+
+    def commit(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        """θ, S ← Opt(θ, S, g), kept; write θ (cast) into ``outs``."""
+        self._step(grads)
+        for out, m in zip(outs, self.masters):
+            out.copy_(m)
+
+    def estimate(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        """Write Opt(θ, S, g)'s parameters into ``outs``; θ and S are left exactly as before."""
+        saved = self._snapshot()
+        try:
+            self._step(grads)
+            for out, m in zip(outs, self.masters):
+                out.copy_(m)
+        finally:
+            self._restore(saved)
+
+    def _step(self, grads: Sequence[torch.Tensor]) -> None:
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for m in self.masters:
+                m.grad = None
+
+    # -- snapshot / restore of everything a step may change ------------------------------
+    def _snapshot(self):
+        state = {}
+        for m in self.masters:
+            entries = self.optimizer.state.get(m)
+            state[m] = None if entries is None else {
+                k: (v, v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                for k, v in entries.items()
+            }
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != _GROUP_PARAMS}
+                  for g in self.optimizer.param_groups]
+        masters = [m.detach().clone() for m in self.masters]
+        return state, groups, masters
+
+    def _restore(self, saved) -> None:
+        state, groups, masters = saved
+        with torch.no_grad():
+            for m, value in zip(self.masters, masters):
+                m.copy_(value)
+        for m, entries in state.items():
+            if entries is None:
+                self.optimizer.state.pop(m, None)
+                continue
+            restored = {}
+            for k, (orig, value) in entries.items():
+                if torch.is_tensor(orig):
+                    # Keep the original tensor objects: other code (DeepSpeed's hp-param links)
+                    # may hold references to them.
+                    with torch.no_grad():
+                        orig.copy_(value)
+                    restored[k] = orig
+                else:
+                    restored[k] = value
+            self.optimizer.state[m] = restored
+        for g, values in zip(self.optimizer.param_groups, groups):
+            for k in [k for k in g if k != _GROUP_PARAMS and k not in values]:
+                del g[k]
+            g.update(values)
+
+
+def global_norm_sq(grads: List[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of this rank's shard gradients (fp64 for a stable all-reduce)."""
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    for g in grads:
+        total += g.double().pow(2).sum()
+    return total

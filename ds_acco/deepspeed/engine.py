@@ -1,0 +1,167 @@
+"""``AccoEngine`` and ``initialize``: the thin seam between DeepSpeed's engine and the ACCO core.
+
+``deepspeed.initialize`` always builds ``DeepSpeedEngine`` and the engine always builds
+``DeepSpeedZeroOptimizer`` (module-level names). We reuse both constructions unchanged and
+substitute our subclasses at those two names for the duration of one call, under a lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Optional
+
+import deepspeed
+import deepspeed.runtime.engine as ds_engine_module
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger
+
+from ..config import AccoConfig, acco_config_of, check_deepspeed_compat, load_ds_config
+from .optimizer import _REPLACED_KNOBS, AccoZeroOptimizer
+
+_PATCH_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _substituted(module, name: str, value):
+    with _PATCH_LOCK:
+        original = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            yield
+        finally:
+            setattr(module, name, original)
+
+
+class AccoEngine(DeepSpeedEngine):
+    """DeepSpeed's engine with ACCO phases: every phase end is an accumulation boundary, and the
+    LR scheduler / ``global_steps`` advance once per committed optimizer step."""
+
+    def __init__(self, *args, acco_config: AccoConfig, **kwargs):
+        config_class = kwargs.get("config_class")
+        if config_class is not None:
+            check_deepspeed_compat(acco_config, config_class)
+        self._acco_config = acco_config
+        self._acco_lr_kwargs = None
+        self._acco_boundary = None
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.optimizer, AccoZeroOptimizer):
+            raise ValueError(f"acco.enabled = true but DeepSpeed built {type(self.optimizer).__name__}, not a ZeRO "
+                             "stage 1 optimizer; fix: use \"zero_optimization\": {\"stage\": 1} with an optimizer "
+                             "(client or \"optimizer\" block), or disable acco")
+        explicit = self._config._param_dict.get("zero_optimization", {})
+        ignored = [k for k in _REPLACED_KNOBS if k in explicit]
+        if ignored and self.global_rank == 0:
+            logger.warning(f"ACCO owns gradient communication; zero_optimization keys {ignored} have no effect")
+
+    # -- construction seam ----------------------------------------------------------------------
+    def _configure_zero_optimizer(self, optimizer):
+        cfg = self._acco_config
+
+        def build(init_optimizer, param_names, **kwargs):
+            return AccoZeroOptimizer(init_optimizer, param_names, acco_config=cfg, on_commit=self._acco_on_commit,
+                                     **kwargs)
+
+        with _substituted(ds_engine_module, "DeepSpeedZeroOptimizer", build):
+            return super()._configure_zero_optimizer(optimizer)
+
+    # -- phases -----------------------------------------------------------------------------------
+    def _acco_schedule(self):
+        opt = self.__dict__.get("optimizer")
+        return opt.schedule if isinstance(opt, AccoZeroOptimizer) else None
+
+    def is_gradient_accumulation_boundary(self):
+        """True when the current micro-batch ends an ACCO phase (A/2 micro-batches in 'acco', A in 'dpu')."""
+        schedule = self._acco_schedule()
+        if schedule is None:
+            return super().is_gradient_accumulation_boundary()
+        if self._acco_boundary is not None:
+            return self._acco_boundary
+        return schedule.phase_ends()
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        raise ValueError("set_gradient_accumulation_boundary() conflicts with ACCO, which ends its own phases; "
+                         "fix: call engine.step() after every micro-batch and let ACCO decide")
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        if not scale_wrt_gas and self._acco_schedule() is not None:
+            raise ValueError("engine.backward(..., scale_wrt_gas=False) with ACCO: the mean gradient is formed "
+                             "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True")
+        return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+    def step(self, lr_kwargs=None):
+        """One micro-batch done; at a phase end, hand the phase to ACCO (see ACCO.md)."""
+        schedule = self._acco_schedule()
+        if schedule is None:
+            return super().step(lr_kwargs)
+        self._acco_boundary = schedule.phase_ends()  # decided once, before the count moves
+        schedule.record_micro_batch()
+        try:
+            return super().step(lr_kwargs)
+        finally:
+            self._acco_boundary = None
+
+    def _take_model_step(self, lr_kwargs):
+        self._acco_lr_kwargs = lr_kwargs
+        self.optimizer.step()  # ends the phase; a commit collected here calls _acco_on_commit
+
+    def _acco_on_commit(self, result) -> None:
+        # Same bookkeeping as DeepSpeedEngine._take_model_step, once per committed step.
+        self._step_applied = True
+        if self.lr_scheduler is not None:
+            try:
+                self.lr_scheduler.step(**(self._acco_lr_kwargs or {}))
+            except TypeError:
+                self.lr_scheduler.step(self.train_batch_size())
+        if self.steps_per_print() is not None and self.global_rank == 0 and (self.global_steps +
+                                                                             1) % self.steps_per_print() == 0:
+            self._report_progress(self.global_steps + 1)
+        self._global_grad_norm = result.grad_norm
+        self.losses = None
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    # -- committed weights and teardown -----------------------------------------------------------
+    def acco_committed_weights(self):
+        """See :func:`ds_acco.committed_weights`."""
+        return self.optimizer.committed_weights()
+
+    def destroy(self):
+        schedule = self._acco_schedule()
+        if schedule is not None:
+            schedule.close()
+        super().destroy()
+
+    def save_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError("engine.save_checkpoint with ACCO is not supported in this version of ds_acco; "
+                                  "use ds_acco.committed_weights(engine) to export the committed parameters")
+
+    def load_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError("engine.load_checkpoint with ACCO is not supported in this version of ds_acco")
+
+
+def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
+    """Same parameters and return value as ``deepspeed.initialize``.
+
+    With ``"acco": {"enabled": true}`` in the config the engine is an :class:`AccoEngine` and
+    ``engine.optimizer`` an :class:`AccoZeroOptimizer`; otherwise this *is*
+    ``deepspeed.initialize`` (the A/B switch).
+    """
+    if pos:
+        raise TypeError("ds_acco.initialize takes keyword arguments after 'args' and 'model', like "
+                        "deepspeed.initialize")
+    raw = load_ds_config(config if config is not None else config_params, args)
+    acco = acco_config_of(raw)
+    if not acco.enabled:
+        return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
+    from deepspeed.runtime.pipe.module import PipelineModule
+    if isinstance(model, PipelineModule):
+        raise ValueError("acco.enabled = true with a PipelineModule: pipeline engines are not supported by ACCO; "
+                         "fix: disable acco or train without pipeline parallelism")
+
+    def build(*a, **kw):
+        return AccoEngine(*a, acco_config=acco, **kw)
+
+    with _substituted(deepspeed, "DeepSpeedEngine", build):
+        return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
+
+

@@ -1,0 +1,129 @@
+"""``AccoZeroOptimizer``: DeepSpeed's ZeRO stage-1 optimizer, with ACCO owning the communication.
+
+DeepSpeed builds the flat bit16 groups, the fp32 master partitions and the wrapped torch
+optimizer exactly as for stock ZeRO-1; this subclass then maps them onto the core's flat
+groups and hands every phase boundary to :class:`~ds_acco.core.schedule.AccoSchedule`.
+Stock reduction paths (buckets, gradient hooks) are switched off so their buffers are never
+allocated: the only extra full-size tensor is the core's communication buffer.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import logger
+
+from ..comm import collectives
+from ..comm.lane import CommLane
+from ..config import AccoConfig
+from ..core.schedule import AccoSchedule, FlatGroup, RoundResult
+from ..core.shard_optimizer import ShardOptimizer
+
+# Stock knobs that only shape DeepSpeed's own reduction, which ACCO replaces.
+_REPLACED_KNOBS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
+                   "allgather_bucket_size", "round_robin_gradients")
+
+
+class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
+    """ZeRO-1 optimizer whose reduce / step / all-gather overlap the next micro-batches (ACCO.md).
+
+    Built by :class:`~ds_acco.deepspeed.engine.AccoEngine`; the engine calls :meth:`step` at
+    every phase end (``is_gradient_accumulation_boundary()``).
+    """
+
+    def __init__(self, init_optimizer, param_names, *, acco_config: AccoConfig, gradient_accumulation_steps: int,
+                 on_commit: Optional[Callable[[RoundResult], None]] = None, **kwargs):
+        kwargs["gradient_accumulation_steps"] = gradient_accumulation_steps
+        kwargs["overlap_comm"] = False  # no gradient hooks, no ipg buckets: G is p.grad itself
+        kwargs["contiguous_gradients"] = False
+        kwargs["round_robin_gradients"] = False
+        super().__init__(init_optimizer, param_names, **kwargs)
+        self.acco_config = acco_config
+
+        world = dist.get_world_size(group=self.dp_process_group)
+        rank = dist.get_rank(group=self.dp_process_group)
+        ranks = (dist.get_process_group_ranks(self.dp_process_group)
+                 if self.dp_process_group is not None else list(range(dist.get_world_size())))
+        # A group of our own: rounds run on another thread, and gloo matches collectives by
+        # issue order per group.
+        from datetime import timedelta
+        self.acco_group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=acco_config.comm_timeout_s))
+
+        groups = []
+        for i, live in enumerate(self.bit16_groups_flat):
+            grads = torch.zeros_like(live)
+            comm = torch.empty_like(live)
+            groups.append(FlatGroup(live=live, grads=grads, comm=comm, master=self.single_partition_of_fp32_groups[i]))
+        self._grad_views = []
+        for i, params in enumerate(self.round_robin_bit16_groups):
+            live, grads = groups[i].live, groups[i].grads
+            for p in params:
+                offset = p.data.storage_offset() - live.storage_offset()
+                self._grad_views.append((p, grads.narrow(0, offset, p.numel()).view_as(p)))
+        self._attach_grads()
+
+        phase_len = gradient_accumulation_steps // 2 if acco_config.mode == "acco" else gradient_accumulation_steps
+        self.schedule = AccoSchedule(
+            groups, ShardOptimizer(self.optimizer, self.single_partition_of_fp32_groups),
+            CommLane(synchronous=acco_config.synchronous, timeout_s=acco_config.comm_timeout_s,
+                     accelerator=get_accelerator()),
+            group=self.acco_group, rank=rank, world=world, mode=acco_config.mode,
+            micro_batches_per_phase=phase_len, grad_scale=1.0 / gradient_accumulation_steps,
+            clip_grad=self.clip_grad, reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
+            on_commit=self._on_commit)
+        self._engine_on_commit = on_commit
+        if dist.get_rank() == 0:
+            logger.info(f"ACCO: mode={acco_config.mode} accumulation={acco_config.accumulation} "
+                        f"micro_batches_per_phase={phase_len} synchronous={acco_config.synchronous} "
+                        f"reduce={'reduce_scatter' if self.schedule.reduce_scatter else 'all_reduce+slice'}")
+
+    # -- gradients live in G ------------------------------------------------------------------
+    def _attach_grads(self) -> None:
+        for p, view in self._grad_views:
+            if p.grad is not view:
+                p.grad = view
+
+    def backward_prologue(self):
+        # Someone (module.zero_grad(), a trainer) may have dropped p.grad; autograd must keep
+        # accumulating into G.
+        self._attach_grads()
+        return super().backward_prologue()
+
+    def reduce_gradients(self, pipeline_parallel=False):
+        """No-op: ACCO reduces in its own rounds at phase ends."""
+
+    def zero_grad(self, set_to_none=True):
+        """No-op: the schedule clears G itself (clearing it here would lose the first half)."""
+
+    # -- the phase boundary -------------------------------------------------------------------
+    def step(self, closure=None):
+        """End the current phase (called by the engine at every ACCO phase boundary)."""
+        self.overflow = False
+        self.schedule.end_phase()
+
+    def _on_commit(self, result: RoundResult) -> None:
+        self._global_grad_norm = result.grad_norm
+        if self._engine_on_commit is not None:
+            self._engine_on_commit(result)
+
+    def drain(self):
+        """Wait for the round in flight; returns its result (None if nothing was in flight)."""
+        return self.schedule.drain()
+
+    def committed_weights(self):
+        """Context manager: the model holds the newest committed θ inside (see ds_acco.committed_weights)."""
+        return self.schedule.committed_weights()
+
+    def state_dict(self):
+        raise NotImplementedError("checkpointing an ACCO engine is not supported in this version of ds_acco "
+                                  "(in-flight state would be lost); use committed_weights() to export θ")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise NotImplementedError("loading a checkpoint into an ACCO engine is not supported in this version")
+
+    def destroy(self):
+        self.schedule.close()
+        super().destroy()

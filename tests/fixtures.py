@@ -1,0 +1,73 @@
+"""Model, data, optimizers and schedules shared by the distributed tests and the reference."""
+from __future__ import annotations
+
+import torch
+
+IN, HIDDEN, OUT, MICRO = 6, 10, 3, 4
+
+
+class TinyNet(torch.nn.Module):
+    """A two-layer MLP whose forward returns its MSE loss."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1 = torch.nn.Linear(IN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, OUT)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
+
+
+def batch(rank: int, i: int):
+    """Micro-batch ``m_i`` of ``rank``: deterministic, different per rank and index."""
+    g = torch.Generator().manual_seed(1000 * rank + i + 7)
+    x = torch.randn(MICRO, IN, generator=g)
+    y = torch.randn(MICRO, OUT, generator=g)
+    return x, y
+
+
+def param_groups(model):
+    """Two groups (weights with decay, biases without) to exercise several flat groups."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(name: str):
+    def build(model):
+        if name == "sgd":
+            return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9, weight_decay=0.01)
+        if name == "adamw":
+            return torch.optim.AdamW(param_groups(model), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
+        if name == "adam":
+            return torch.optim.Adam(model.parameters(), lr=0.02)
+        raise ValueError(name)
+    return build
+
+
+def make_scheduler(kind):
+    if kind is None:
+        return None
+
+    def build(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.5 * s))
+    return build
+
+
+def ds_config(gas: int = 4, acco=None, clip: float = 0.0, **extra):
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+    }
+    if acco is not None:
+        cfg["acco"] = acco
+    cfg.update(extra)
+    return cfg

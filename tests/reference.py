@@ -1,0 +1,96 @@
+"""An independent single-process reference of ACCO.md's recurrences ("The exact schedule in
+fixed mode"), in float64, sharing no code with ds_acco.
+
+It simulates ``world`` ranks feeding micro-batches ``m_0, m_1, ...`` (``batch(rank, i)``) and
+returns θ_T for mode 'sync' (stock ZeRO-1), 'acco' or 'dpu'. The estimate uses a deep copy
+of the model and optimizer, so the discarded state cannot leak back.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+def _mean_grad(model: torch.nn.Module, params: Dict[str, torch.Tensor], batches) -> Dict[str, torch.Tensor]:
+    """Mean over ``batches`` of the gradient of ``model(*batch)`` at ``params``."""
+    work = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in work.named_parameters():
+            p.copy_(params[n])
+    total = {n: torch.zeros_like(p) for n, p in work.named_parameters()}
+    for batch in batches:
+        work.zero_grad(set_to_none=True)
+        loss = work(*[b.double() for b in batch])
+        loss.backward()
+        for n, p in work.named_parameters():
+            total[n] += p.grad
+    return {n: g / len(batches) for n, g in total.items()}
+
+
+class _Trainer:
+    """θ and S of the reference, with ``Opt(θ, S, g)`` kept or discarded."""
+
+    def __init__(self, model, make_optimizer, make_scheduler, clip):
+        self.model = copy.deepcopy(model).double()
+        self.opt = make_optimizer(self.model)
+        self.sched = make_scheduler(self.opt) if make_scheduler else None
+        self.clip = clip
+
+    def params(self):
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def _apply(self, model, opt, grads):
+        if self.clip > 0:
+            norm = torch.sqrt(sum((g.double()**2).sum() for g in grads.values()))
+            factor = max(1.0, (float(norm) + 1e-6) / self.clip)
+            grads = {n: g / factor for n, g in grads.items()}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+
+    def commit(self, grads):
+        self._apply(self.model, self.opt, grads)
+        if self.sched is not None:
+            self.sched.step()
+
+    def estimate(self, grads):
+        model, opt = copy.deepcopy((self.model, self.opt))
+        self._apply(model, opt, grads)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, world: int, gas: int, steps: int,
+                  mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
+                  clip: float = 0.0, estimate_log: Optional[List] = None) -> Dict[str, torch.Tensor]:
+    """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank."""
+    tr = _Trainer(model, make_optimizer, make_scheduler, clip)
+
+    def mb(t, lo, hi):  # micro-batches lo..hi-1 of step t, all ranks
+        return [batch(r, gas * t + i) for r in range(world) for i in range(lo, hi)]
+
+    if mode == "sync":
+        for t in range(steps):
+            tr.commit(_mean_grad(tr.model, tr.params(), mb(t, 0, gas)))
+        return tr.params()
+    if mode == "acco":
+        h = gas // 2
+        est = tr.params()  # θ̃_0 = θ_0
+        for t in range(steps):
+            theta = tr.params()
+            g_first = _mean_grad(tr.model, est, mb(t, 0, h))  # at θ̃_t
+            g_second = _mean_grad(tr.model, theta, mb(t, h, gas))  # at θ_t
+            est = tr.estimate(g_first)  # θ̃_{t+1}, S discarded
+            if estimate_log is not None:
+                estimate_log.append(est)
+            tr.commit({n: (g_first[n] + g_second[n]) / 2 for n in g_first})  # pooled: equal counts per half
+        return tr.params()
+    if mode == "dpu":
+        history = [tr.params()]  # θ_0, θ_1, ...
+        for t in range(steps):
+            at = history[max(t - 1, 0)]  # phase 0 and 1 at θ_0; phase k ≥ 1 at θ_{k-1}
+            tr.commit(_mean_grad(tr.model, at, mb(t, 0, gas)))
+            history.append(tr.params())
+        return tr.params()
+    raise ValueError(mode)
