@@ -43,6 +43,8 @@ def make_optimizer(name: str):
             return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9, weight_decay=0.01)
         if name == "adamw":
             return torch.optim.AdamW(param_groups(model), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
+        if name == "adamw1":  # one group, as DeepSpeed's config-built AdamW makes it
+            return torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
         if name == "adam":
             return torch.optim.Adam(model.parameters(), lr=0.02)
         raise ValueError(name)

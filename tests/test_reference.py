@@ -14,6 +14,8 @@ CASES = [
 ] + [
     {"name": "acco-adamw-clip", "mode": "acco", "optimizer": "adamw", "schedule": "inv", "clip": 0.05},
     {"name": "dpu-sgd-clip", "mode": "dpu", "optimizer": "sgd", "schedule": None, "clip": 0.05},
+    {"name": "acco-ds-adamw-torch", "mode": "acco", "optimizer": "ds:adamw-torch", "ref": "adamw1", "schedule": None},
+    {"name": "acco-ds-adamw-fused", "mode": "acco", "optimizer": "ds:adamw-fused", "ref": "adamw1", "schedule": None},
     {"name": "sync-adamw-sched", "mode": "sync", "optimizer": "adamw", "schedule": "inv"},
 ]
 
@@ -40,7 +42,7 @@ def rel_error(got, want):
 def test_matches_reference(runs, case, record_property):
     r0, r1 = runs[case["name"]]
     want = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=STEPS, mode=case["mode"],
-                         make_optimizer=make_optimizer(case["optimizer"]),
+                         make_optimizer=make_optimizer(case.get("ref", case["optimizer"])),
                          make_scheduler=make_scheduler(case["schedule"]), clip=case.get("clip", 0.0))
     theta0 = {n: p.detach().double() for n, p in TinyNet(seed=0).named_parameters()}
     err = rel_error(r0["final"], want)

@@ -17,11 +17,16 @@ def train(case: dict, use_ds_acco: bool = True):
     import deepspeed
     rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
     model = TinyNet(seed=0)
-    opt = make_optimizer(case["optimizer"])(model)
-    sched = make_scheduler(case.get("schedule"))
     cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0))
     init = ds_acco.initialize if use_ds_acco else deepspeed.initialize
-    engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
+    if case["optimizer"].startswith("ds:"):  # DeepSpeed's config-built optimizer
+        cfg["optimizer"] = DS_OPTIMIZERS[case["optimizer"]]
+        engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        opt = make_optimizer(case["optimizer"])(model)
+        sched = make_scheduler(case.get("schedule"))
+        engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
+    lane_log = install_gated_lane(engine) if case.get("gated") else None
     losses, boundaries, lrs = [], [], []
     probes = {}
     n = case.get("gas", 4) * case["steps"]
@@ -31,6 +36,8 @@ def train(case: dict, use_ds_acco: bool = True):
         engine.backward(loss)
         boundaries.append(engine.is_gradient_accumulation_boundary())
         engine.step()
+        if lane_log is not None:
+            lane_log.after_micro_batch(i)
         losses.append(loss.item())
         lrs.append(engine.get_lr()[0])
         if i in case.get("probe_at", ()):
@@ -39,7 +46,10 @@ def train(case: dict, use_ds_acco: bool = True):
     with ds_acco.committed_weights(engine):
         final = snapshot(engine.module)
         steps = engine.global_steps
-    out = {"losses": losses, "final": final, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
+    if lane_log is not None:
+        lane_log.release_all()
+    out = {"losses": losses, "lane_log": lane_log.events if lane_log else None,
+           "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
            "probes": probes, "optimizer": type(engine.optimizer).__name__}
     engine.destroy()
     return out
@@ -47,3 +57,81 @@ def train(case: dict, use_ds_acco: bool = True):
 
 def train_cases(cases, use_ds_acco=True):
     return [train(c, use_ds_acco) for c in cases]
+
+
+DS_OPTIMIZERS = {
+    # Single param group: matches fixtures.make_optimizer("adamw1").
+    "ds:adamw-torch": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "weight_decay": 0.1,
+                                                   "torch_adam": True}},
+    "ds:adamw-fused": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "weight_decay": 0.1}},
+}
+
+
+class GatedLog:
+    """Opens each round's gate only after the compute lane has finished micro-batches while the
+    round was in flight; logs who did what, in order. A compute lane that blocked on the round
+    would never open the gate, and the round would fail on its gate timeout."""
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+        self.events = []
+        self.gates = []
+
+    def log(self, *event):
+        with self.lock:
+            self.events.append(event)
+
+    def after_micro_batch(self, i):
+        self.log("mb", i)
+        with self.lock:
+            waiting = [g for g in self.gates if not g[1].is_set()]
+        for k, gate, seen in waiting:
+            seen.append(i)
+            if len(seen) >= 1:
+                self.log("open", k)
+                gate.set()
+
+    def release_all(self):
+        for _, gate, _ in self.gates:
+            gate.set()
+
+
+def install_gated_lane(engine):
+    import threading
+    log = GatedLog()
+    lane = engine.optimizer.schedule.lane
+    inner_submit = lane.submit
+
+    def submit(name, fn):
+        gate = threading.Event()
+        k = len(log.gates)
+        log.gates.append((k, gate, []))
+        log.log("submit", k)
+
+        def gated():
+            log.log("start", k)
+            if not gate.wait(60):
+                raise TimeoutError(f"round {k}: the compute lane never ran a micro-batch while it was in flight")
+            out = fn()
+            log.log("end", k)
+            return out
+        return inner_submit(name, gated)
+
+    lane.submit = submit
+    return log
+
+
+def memory_facts(engine):
+    """What ACCO allocates beyond stock ZeRO-1: no DeepSpeed buckets or hooks, one comm buffer."""
+    opt = engine.optimizer
+    storages = {g.grads.untyped_storage().data_ptr() for g in opt.schedule.groups}
+    return {
+        "grad_hooks": len(opt._grad_acc_hooks),
+        "ipg_buffers": sum(len(b.buffer) for b in opt.ipg_buckets.values()),
+        "averaged_gradients": len(opt.averaged_gradients),
+        "comm_numel": sum(g.comm.numel() for g in opt.schedule.groups),
+        "live_numel": sum(g.live.numel() for g in opt.schedule.groups),
+        "grads_are_views": all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
+                               for p in engine.module.parameters()),
+    }

@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ds_acco",
+    version="0.1.0",
+    description="ACCO (Accumulate While You Communicate) for DeepSpeed ZeRO-1: overlap gradient "
+    "communication and the sharded optimizer step with the next micro-batches",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ds_acco", "ds_acco.*"]),
+    python_requires=">=3.10",
+    # Tested with torch 2.13.0 (CPU) and deepspeed 0.19.8. Install torch first: an unpinned
+    # torch with none installed pulls a large CUDA build.
+    install_requires=["torch>=2.6,<2.15", "deepspeed>=0.19,<0.20", "pydantic>=2"],
+    extras_require={
+        "test": ["pytest>=8", "transformers>=4.40"],
+        "examples": ["transformers>=4.40", "tqdm"],
+        "mpi": ["mpi4py", "mpich"],
+    },
+)
