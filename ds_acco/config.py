@@ -104,8 +104,9 @@ def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
         raise ValueError(f"zero_optimization.stage = {stage}: ACCO is a ZeRO stage 1 optimizer; fix: set "
                          "\"zero_optimization\": {\"stage\": 1} or disable acco")
     offload = ds.zero_config.offload_optimizer
-    if offload is not None and str(getattr(offload.device, "value", offload.device)) != "none":
-        raise ValueError(f"zero_optimization.offload_optimizer.device = {offload.device.value!r}: ACCO keeps the "
+    device = str(getattr(getattr(offload, "device", None), "value", getattr(offload, "device", "none")))
+    if offload is not None and device != "none":
+        raise ValueError(f"zero_optimization.offload_optimizer.device = {device!r}: ACCO keeps the "
                          "sharded optimizer on the accelerator; fix: remove offload_optimizer or disable acco")
     if ds.float16_config.enabled:
         raise ValueError("fp16.enabled = true: fp16 loss scaling is not supported by this version of ds_acco; "

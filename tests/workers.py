@@ -135,3 +135,31 @@ def memory_facts(engine):
         "grads_are_views": all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
                                for p in engine.module.parameters()),
     }
+
+
+def init_errors(cases):
+    """Try ds_acco.initialize with each (config overrides, model kind); return the error messages."""
+    out = []
+    for overrides, kind in cases:
+        cfg = ds_config(4, {"enabled": True, "mode": "acco"})
+        for k, v in overrides.items():
+            if v is None:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        if kind == "pipeline":
+            from deepspeed.pipe import PipelineModule
+            model = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss())
+        else:
+            model = TinyNet()
+        opt = None if kind == "no-optimizer" else make_optimizer("adamw")(model)
+        try:
+            engine, *_ = ds_acco.initialize(model=model, optimizer=opt, model_parameters=model.parameters(),
+                                            config=cfg)
+            out.append(f"NO ERROR ({type(engine.optimizer).__name__})")
+            engine.destroy()
+        except ValueError as exc:
+            out.append(f"ValueError: {exc}")
+        except Exception as exc:  # reported so the test can show it
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out

@@ -1,0 +1,87 @@
+"""Bad "acco" blocks and incompatible DeepSpeed settings raise ValueErrors naming key, value and fix."""
+import json
+
+import pytest
+
+import ds_acco
+from ds_acco.config import AccoConfig, acco_config_of, load_ds_config
+from dist import run_ranks
+import workers
+
+
+def test_defaults_and_absent_block():
+    assert acco_config_of({}) == AccoConfig()
+    assert not AccoConfig().enabled
+    cfg = AccoConfig.from_block({"enabled": True, "mode": "dpu", "comm_timeout_s": 60})
+    assert cfg.mode == "dpu" and cfg.comm_timeout_s == 60.0
+
+
+@pytest.mark.parametrize("block,key,value", [
+    ({"enabled": "yes"}, "enabled", "'yes'"),
+    ({"enabled": 1}, "enabled", "1"),
+    ({"mode": "ACCO"}, "mode", "'ACCO'"),
+    ({"mode": "zero1"}, "mode", "'zero1'"),
+    ({"accumulation": "fixd"}, "accumulation", "'fixd'"),
+    ({"enable": True}, "enable", "True"),  # misspelt key
+    ({"enabled": True, "overlap": True}, "overlap", "True"),
+    ({"synchronous": "false"}, "synchronous", "'false'"),
+    ({"comm_timeout_s": 0}, "comm_timeout_s", "0"),
+    ({"comm_timeout_s": -5.0}, "comm_timeout_s", "-5.0"),
+    ({"comm_timeout_s": "10"}, "comm_timeout_s", "'10'"),
+    ({"enabled": True, "accumulation": "dynamic"}, "accumulation", "'dynamic'"),
+])
+def test_bad_block_names_key_value_and_fix(block, key, value):
+    with pytest.raises(ValueError) as info:
+        AccoConfig.from_block(block)
+    msg = str(info.value)
+    assert f"acco.{key}" in msg and value in msg and "fix" in msg, msg
+
+
+@pytest.mark.parametrize("block", [[], "acco", 3, True])
+def test_block_must_be_an_object(block):
+    with pytest.raises(ValueError, match="'acco' must be a JSON object.*fix"):
+        AccoConfig.from_block(block)
+
+
+def test_config_sources(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"acco": {"enabled": True}}))
+    assert acco_config_of(load_ds_config(str(path))).enabled
+
+    class Args:
+        deepspeed_config = str(path)
+    assert acco_config_of(load_ds_config(None, Args())).enabled
+    assert acco_config_of(load_ds_config({"acco": {"enabled": False}})) == AccoConfig()
+
+
+def test_bad_block_fails_before_any_distributed_work():
+    with pytest.raises(ValueError, match="acco.mode"):
+        ds_acco.initialize(model=object(), config={"acco": {"enabled": True, "mode": "x"}})
+
+
+INIT_CASES = [
+    ({"gradient_accumulation_steps": 3}, "model", ["gradient_accumulation_steps", "3", "fix"]),
+    ({"gradient_accumulation_steps": 1}, "model", ["gradient_accumulation_steps", "1", "fix"]),
+    ({"zero_optimization": {"stage": 2}}, "model", ["zero_optimization.stage", "2", "fix"]),
+    ({"zero_optimization": {"stage": 3}}, "model", ["zero_optimization.stage", "3", "fix"]),
+    ({"zero_optimization": None}, "model", ["zero_optimization.stage", "0", "fix"]),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "model",
+     ["offload_optimizer.device", "cpu", "fix"]),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "model",
+     ["grad_accum_dtype", "fp32", "BF16_Optimizer", "fix"]),
+    ({"fp16": {"enabled": True}}, "model", ["fp16", "fix"]),
+    ({}, "pipeline", ["PipelineModule", "fix"]),
+]
+
+
+@pytest.fixture(scope="module")
+def init_errors():
+    return run_ranks(workers.init_errors, world=1, cases=[(o, k) for o, k, _ in INIT_CASES])[0]
+
+
+@pytest.mark.parametrize("i", range(len(INIT_CASES)), ids=[str(c[0]) or c[1] for c in INIT_CASES])
+def test_incompatible_deepspeed_settings(init_errors, i):
+    msg = init_errors[i]
+    assert msg.startswith("ValueError"), msg
+    for part in INIT_CASES[i][2]:
+        assert part in msg, msg
