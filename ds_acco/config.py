@@ -14,6 +14,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 ACCO_KEY = "acco"
 
 
+class DynamicConfig(BaseModel):
+    """When a phase ends in ``"accumulation": "dynamic"``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    min_micro_batches: int = Field(1, ge=1, description="A phase never ends before this many micro-batches.")
+    max_micro_batches: Optional[int] = Field(
+        None, ge=1, description="A phase ends here even if its round is still running (the wait is measured); "
+        "default 4 x the fixed phase length.")
+    check_every: int = Field(1, ge=1, description="Poll the round's completion every this many micro-batches.")
+
+
+class MetricsConfig(BaseModel):
+    """Per-step overlap metrics."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    log_every: int = Field(0, ge=0, description="Rank 0 logs a metrics line every N committed steps (0: never).")
+    estimate_drift: bool = Field(True, description="Measure |θ̃_{t+1} − θ_{t+1}| / |θ_{t+1} − θ_t| (acco mode).")
+    monitor: bool = Field(True, description="Write the metrics through DeepSpeed's monitor (tensorboard, csv, "
+                          "wandb blocks).")
+
+
 class AccoConfig(BaseModel):
     """Settings of the ``"acco"`` block (see the README's config reference)."""
 
@@ -23,15 +46,21 @@ class AccoConfig(BaseModel):
     mode: Literal["acco", "dpu"] = Field(
         "acco", description="'acco': estimate + commit rounds; 'dpu': one-step-delayed update.")
     accumulation: Literal["fixed", "dynamic"] = Field(
-        "fixed", description="'fixed': A/2 (acco) or A (dpu) micro-batches per phase.")
+        "fixed", description="'fixed': A/2 (acco) or A (dpu) micro-batches per phase; 'dynamic': a phase ends "
+        "when its round has finished.")
+    dynamic: Optional[DynamicConfig] = Field(None, description="Settings of accumulation 'dynamic'.")
+    weighting: Literal["micro_batch", "sample", "token"] = Field(
+        "micro_batch", description="What each gradient is averaged over; 'sample' / 'token' need "
+        "engine.backward(loss, weight=n).")
     synchronous: bool = Field(
         False, description="Debug: run every round inline (no overlap); results are bit-identical.")
     comm_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for a communication round before raising.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
 
-    # strict=True refuses ints for floats; JSON writers often emit 600 for 600.0.
     @classmethod
     def _coerce(cls, block: Mapping[str, Any]) -> dict:
+        # strict=True refuses ints for floats; JSON writers often emit 600 for 600.0.
         out = dict(block)
         v = out.get("comm_timeout_s")
         if isinstance(v, int) and not isinstance(v, bool):
@@ -50,26 +79,68 @@ class AccoConfig(BaseModel):
             cfg = cls.model_validate(cls._coerce(block))
         except ValidationError as exc:
             raise ValueError(_explain(exc, block)) from None
-        if cfg.enabled and cfg.accumulation == "dynamic":
-            raise ValueError("acco.accumulation = 'dynamic' is not available in this version of ds_acco; "
-                             "fix: use \"accumulation\": \"fixed\"")
+        if cfg.dynamic is not None and cfg.accumulation != "dynamic":
+            raise ValueError(f"acco.dynamic = {block.get('dynamic')!r} has no effect with acco.accumulation = "
+                             f"{cfg.accumulation!r}; fix: set \"accumulation\": \"dynamic\" or remove "
+                             "acco.dynamic")
+        d = cfg.dynamic
+        if d is not None and d.max_micro_batches is not None and d.max_micro_batches < d.min_micro_batches:
+            raise ValueError(f"acco.dynamic.max_micro_batches = {d.max_micro_batches} is below "
+                             f"acco.dynamic.min_micro_batches = {d.min_micro_batches}; fix: raise "
+                             "max_micro_batches or lower min_micro_batches")
         return cfg
+
+    def phase_length(self, gradient_accumulation_steps: int) -> int:
+        """Micro-batches per phase in fixed accumulation."""
+        return gradient_accumulation_steps // 2 if self.mode == "acco" else gradient_accumulation_steps
+
+    def dynamic_bounds(self, gradient_accumulation_steps: int) -> DynamicConfig:
+        """The dynamic settings with defaults resolved against the fixed phase length."""
+        d = self.dynamic or DynamicConfig()
+        if d.max_micro_batches is None:
+            d = d.model_copy(update={"max_micro_batches": max(d.min_micro_batches,
+                                                              4 * self.phase_length(gradient_accumulation_steps))})
+        return d
 
 
 def _explain(exc: ValidationError, block: Mapping[str, Any]) -> str:
     lines = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<block>"
-        value = block.get(err["loc"][0], "<missing>") if err["loc"] else block
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc) or "<block>"
+        value: Any = block
+        model: Any = AccoConfig
+        field = None
+        for part in loc:
+            value = value.get(part, "<missing>") if isinstance(value, Mapping) else "<missing>"
+            fields = getattr(model, "model_fields", {})
+            field = fields.get(part)
+            model = _submodel(field)
         if err["type"] == "extra_forbidden":
-            known = ", ".join(AccoConfig.model_fields)
+            parent = AccoConfig
+            for part in loc[:-1]:
+                parent = _submodel(parent.model_fields.get(part)) or parent
+            known = ", ".join(parent.model_fields)
             lines.append(f"acco.{key} = {value!r}: unknown key; fix: remove it or use one of: {known}")
-        else:
-            field = AccoConfig.model_fields.get(str(err["loc"][0])) if err["loc"] else None
-            hint = f" ({field.description})" if field is not None and field.description else ""
+        elif field is not None:
+            hint = f" ({field.description})" if field.description else ""
+            default = field.default if field.default_factory is None else "{}"
             lines.append(f"acco.{key} = {value!r}: {err['msg']}{hint}; fix: set a valid value or remove the key "
-                         f"to get the default {field.default!r}" if field is not None else f"acco.{key}: {err['msg']}")
+                         f"to get the default {default!r}")
+        else:
+            lines.append(f"acco.{key} = {value!r}: {err['msg']}; fix: see the README's config reference")
     return "invalid \"acco\" block: " + "; ".join(lines)
+
+
+def _submodel(field):
+    """The pydantic model class a field holds (directly or as Optional), if any."""
+    if field is None:
+        return None
+    ann = field.annotation
+    for cand in (ann, *getattr(ann, "__args__", ())):
+        if isinstance(cand, type) and issubclass(cand, BaseModel):
+            return cand
+    return None
 
 
 def load_ds_config(config: Any = None, args: Any = None) -> Optional[dict]:

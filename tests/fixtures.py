@@ -22,6 +22,23 @@ class TinyNet(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
 
 
+class TokenNet(TinyNet):
+    """TinyNet whose loss is a *sum* over the valid rows ("tokens") of a padded micro-batch, so
+    per-token weighting (weight = number of valid rows) gives the exact per-token mean."""
+
+    def forward(self, x, y, mask):
+        per_row = ((self.fc2(torch.tanh(self.fc1(x))) - y) ** 2).mean(dim=1)
+        return (per_row * mask).sum()
+
+
+def token_batch(rank: int, i: int):
+    """A padded micro-batch with 1..MICRO valid rows (deterministic)."""
+    x, y = batch(rank, i)
+    valid = 1 + (3 * rank + 5 * i) % MICRO
+    mask = (torch.arange(MICRO) < valid).to(x.dtype)
+    return x, y, mask
+
+
 def batch(rank: int, i: int):
     """Micro-batch ``m_i`` of ``rank``: deterministic, different per rank and index."""
     g = torch.Generator().manual_seed(1000 * rank + i + 7)

@@ -94,3 +94,57 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
             history.append(tr.params())
         return tr.params()
     raise ValueError(mode)
+
+
+def _grad_sum(model, params, batches, weight):
+    """(Σ gradients of model(*batch) at params, Σ weights) over ``batches``."""
+    work = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in work.named_parameters():
+            p.copy_(params[n])
+    total = {n: torch.zeros_like(p) for n, p in work.named_parameters()}
+    w = 0.0
+    for b in batches:
+        work.zero_grad(set_to_none=True)
+        work(*[t.double() for t in b]).backward()
+        for n, p in work.named_parameters():
+            total[n] += p.grad
+        w += weight(b)
+    return total, w
+
+
+def reference_replay(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, phases_per_rank: List[List[int]],
+                     steps: int, mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
+                     clip: float = 0.0, weight: Optional[Callable] = None) -> Dict[str, torch.Tensor]:
+    """θ_T given how many micro-batches every phase of every rank had (phase 0 first).
+
+    Rank r's phase p consumes its next ``phases_per_rank[r][p]`` micro-batches. Gradients are
+    summed and divided by the global weight (``weight(batch)``, default 1 per micro-batch).
+    ACCO: step t's first half is phase 2t (at θ̃_t), its second half phase 2t+1 (at θ_t).
+    DPU: step k is phase k, computed at θ_{max(k-1, 0)}.
+    """
+    weight = weight or (lambda b: 1.0)
+    tr = _Trainer(model.double(), make_optimizer, make_scheduler, clip)
+    starts = [[sum(counts[:p]) for p in range(len(counts))] for counts in phases_per_rank]
+
+    def phase(p):
+        return [batch(r, i) for r, counts in enumerate(phases_per_rank) for i in
+                range(starts[r][p], starts[r][p] + counts[p])]
+
+    if mode == "acco":
+        est = tr.params()
+        for t in range(steps):
+            theta = tr.params()
+            g1, w1 = _grad_sum(tr.model, est, phase(2 * t), weight)
+            g2, w2 = _grad_sum(tr.model, theta, phase(2 * t + 1), weight)
+            est = tr.estimate({n: g / w1 for n, g in g1.items()})
+            tr.commit({n: (g1[n] + g2[n]) / (w1 + w2) for n in g1})
+        return tr.params()
+    if mode == "dpu":
+        history = [tr.params()]
+        for k in range(steps):
+            g, w = _grad_sum(tr.model, history[max(k - 1, 0)], phase(k), weight)
+            tr.commit({n: v / w for n, v in g.items()})
+            history.append(tr.params())
+        return tr.params()
+    raise ValueError(mode)

@@ -9,6 +9,13 @@ from dist import run_ranks
 import workers
 
 
+def test_dynamic_defaults_resolve_against_the_phase_length():
+    cfg = AccoConfig.from_block({"enabled": True, "accumulation": "dynamic"})
+    d = cfg.dynamic_bounds(8)
+    assert (d.min_micro_batches, d.max_micro_batches, d.check_every) == (1, 16, 1)
+    assert AccoConfig.from_block({"mode": "dpu", "accumulation": "dynamic"}).dynamic_bounds(8).max_micro_batches == 32
+
+
 def test_defaults_and_absent_block():
     assert acco_config_of({}) == AccoConfig()
     assert not AccoConfig().enabled
@@ -28,7 +35,17 @@ def test_defaults_and_absent_block():
     ({"comm_timeout_s": 0}, "comm_timeout_s", "0"),
     ({"comm_timeout_s": -5.0}, "comm_timeout_s", "-5.0"),
     ({"comm_timeout_s": "10"}, "comm_timeout_s", "'10'"),
-    ({"enabled": True, "accumulation": "dynamic"}, "accumulation", "'dynamic'"),
+    ({"weighting": "tokens"}, "weighting", "'tokens'"),
+    ({"accumulation": "dynamic", "dynamic": {"min_micro_batches": 0}}, "dynamic.min_micro_batches", "0"),
+    ({"accumulation": "dynamic", "dynamic": {"max_micro_batches": 1.5}}, "dynamic.max_micro_batches", "1.5"),
+    ({"accumulation": "dynamic", "dynamic": {"check_every": 0}}, "dynamic.check_every", "0"),
+    ({"accumulation": "dynamic", "dynamic": {"min": 2}}, "dynamic.min", "2"),
+    ({"accumulation": "dynamic", "dynamic": {"min_micro_batches": 5, "max_micro_batches": 2}},
+     "dynamic.max_micro_batches", "2"),
+    ({"accumulation": "fixed", "dynamic": {"min_micro_batches": 2}}, "dynamic", "{'min_micro_batches': 2}"),
+    ({"dynamic": []}, "dynamic", "[]"),
+    ({"metrics": {"log_every": -1}}, "metrics.log_every", "-1"),
+    ({"metrics": {"drift": True}}, "metrics.drift", "True"),
 ])
 def test_bad_block_names_key_value_and_fix(block, key, value):
     with pytest.raises(ValueError) as info:

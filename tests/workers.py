@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import ds_acco
-from fixtures import TinyNet, batch, ds_config, make_optimizer, make_scheduler
+from fixtures import TinyNet, TokenNet, batch, ds_config, make_optimizer, make_scheduler, token_batch
 
 
 def snapshot(module):
@@ -163,3 +163,70 @@ def init_errors(cases):
         except Exception as exc:  # reported so the test can show it
             out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def install_slow_lane(engine, seconds):
+    """Every round sleeps ``seconds`` on the lane first (an injected slow network)."""
+    import time
+    lane = engine.optimizer.schedule.lane
+    inner_submit = lane.submit
+
+    def submit(name, fn):
+        def slow():
+            time.sleep(seconds)
+            return fn()
+        return inner_submit(name, slow)
+    lane.submit = submit
+
+
+def train_until(case: dict):
+    """Feed micro-batches until ``case['steps']`` commits; return what a replay needs."""
+    import os
+    import time
+    rank = int(os.environ["RANK"])
+    model = TokenNet(seed=0) if case.get("tokens") else TinyNet(seed=0)
+    cfg = ds_config(case.get("gas", 4), case["acco"], clip=case.get("clip", 0.0), **case.get("extra", {}))
+    opt = make_optimizer(case["optimizer"])(model)
+    sched = make_scheduler(case.get("schedule"))
+    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None,
+                                         config=cfg)
+    if case.get("slow_lane"):
+        install_slow_lane(engine, case["slow_lane"])
+    schedule = engine.optimizer.schedule
+    sleep = case.get("sleep", {}).get(str(rank), 0.0)
+    i = 0
+    while engine.global_steps < case["steps"]:
+        if case.get("tokens"):
+            x, y, mask = token_batch(rank, i)
+            loss = engine(x, y, mask)
+            engine.backward(loss, weight=float(mask.sum()))
+        else:
+            loss = engine(*batch(rank, i))
+            engine.backward(loss)
+        if sleep:
+            time.sleep(sleep)
+        if case.get("finish_rounds_first"):  # let the round in flight finish before the phase can end
+            inflight = schedule._inflight
+            deadline = time.time() + 60
+            while inflight is not None and not inflight.handle.done() and time.time() < deadline:
+                time.sleep(0.001)
+        engine.step()
+        i += 1
+    with ds_acco.committed_weights(engine):
+        final = snapshot(engine.module)
+    out = {
+        "final": final,
+        "fed": i,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "phases": [{"kind": p.kind.value, "data_step": p.data_step, "micro_batches": p.tally.micro_batches,
+                    "weight": p.tally.weight, "wait_s": p.wait_s, "reason": p.reason} for p in schedule.history],
+        "metrics": engine.acco_metrics_history,
+        "max_micro_batches": getattr(schedule.phases, "max_micro_batches", None),
+    }
+    engine.destroy()
+    return out
+
+
+def train_until_cases(cases):
+    return [train_until(c) for c in cases]

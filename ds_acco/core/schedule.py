@@ -17,11 +17,12 @@ Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import time
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
@@ -56,15 +57,40 @@ class FlatGroup:
 
 
 @dataclass
+class Tally:
+    """Micro-batches and their weight (1 each, or samples / tokens) summed into a buffer."""
+    micro_batches: int = 0
+    weight: float = 0.0
+
+    def add(self, other: "Tally") -> "Tally":
+        return Tally(self.micro_batches + other.micro_batches, self.weight + other.weight)
+
+
+@dataclass
 class RoundResult:
     """What a finished round reports back to the compute lane."""
     kind: RoundKind
     step: int  # optimizer step t this round belongs to
-    local_count: float
-    global_count: float
+    local: Tally  # this rank's micro-batches in the round's gradient sum
+    per_rank: List[Tally]  # every rank's (gathered in the round: no extra collective)
     grad_norm: float  # norm of the global mean gradient, before clipping
+    drift: Optional[float] = None  # commit rounds in mode acco: ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖
+    peer_report: Optional[torch.Tensor] = None  # (world, k) compute-lane figures each rank sent along
     started_at: float = 0.0
     finished_at: float = 0.0
+    wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
+    collected_at: float = 0.0
+
+    @property
+    def total(self) -> Tally:
+        out = Tally()
+        for t in self.per_rank:
+            out = out.add(t)
+        return out
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
 
 
 @dataclass
@@ -74,14 +100,45 @@ class _InFlight:
     step: int
     result: Optional[RoundResult] = None  # set once waited for
     committed: bool = False  # commit bookkeeping done (at a drain or a swap)
+    wait_s: float = 0.0  # how long the compute lane blocked on it
+
+
+@dataclass(frozen=True)
+class FixedPhases:
+    """Every phase has exactly ``micro_batches`` micro-batches."""
+    micro_batches: int
+
+    def ends(self, n: int, round_done: Callable[[], bool]) -> Optional[str]:
+        """Why the phase ends after its ``n``-th micro-batch, or None if it goes on."""
+        return "fixed" if n >= self.micro_batches else None
+
+
+@dataclass(frozen=True)
+class DynamicPhases:
+    """A phase ends once its round has finished (checked every ``check_every`` micro-batches from
+    ``min_micro_batches`` on), or at ``max_micro_batches`` (the compute lane then waits)."""
+    min_micro_batches: int
+    max_micro_batches: int
+    check_every: int = 1
+
+    def ends(self, n: int, round_done: Callable[[], bool]) -> Optional[str]:
+        """Why the phase ends after its ``n``-th micro-batch, or None if it goes on."""
+        if n >= self.max_micro_batches:
+            return "max"
+        if n < self.min_micro_batches or (n - self.min_micro_batches) % self.check_every:
+            return None
+        return "round_done" if round_done() else None
 
 
 @dataclass
-class ScheduleEvents:
-    """Counters a test or a metrics reader may look at (no synchronisation involved)."""
-    micro_batches: int = 0
-    rounds: List[RoundResult] = field(default_factory=list)
-    wait_s: float = 0.0  # time the compute lane spent blocked on rounds
+class PhaseRecord:
+    """One finished phase as the compute lane saw it (for metrics and replay)."""
+    kind: PhaseKind
+    data_step: int  # the optimizer step whose gradients this phase computed
+    tally: Tally
+    wait_s: float  # blocked at its end, waiting for the round that overlapped it
+    ended_at: float
+    reason: str  # 'fixed', 'round_done' or 'max' (the phase policy's answer)
 
 
 class AccoSchedule:
@@ -93,17 +150,24 @@ class AccoSchedule:
         lane: where rounds run.
         group, rank, world: the dedicated process group of the rounds and this rank's place in it.
         mode: 'acco' or 'dpu'.
-        micro_batches_per_phase: A/2 for acco, A for dpu (fixed accumulation).
+        phases: when a phase ends (:class:`FixedPhases` or :class:`DynamicPhases`).
         grad_scale: the factor each micro-batch gradient carries in G (DeepSpeed scales the loss
-            by 1/A); the round divides by ``count * grad_scale`` to get the mean.
+            by 1/A); a round divides the summed gradient by ``global weight * grad_scale``.
         clip_grad: clip the global mean gradient of each round to this norm (0: off).
+        track_drift: measure the estimate drift in commit rounds (keeps the fp32 estimate shard
+            from the estimate round to the commit round).
+        report: called on the compute lane at each launch; returns a few floats that travel
+            with the round's counts to every rank (``RoundResult.peer_report``).
         on_commit: called on the compute lane once per committed step, after θ_{t+1} is known
             and before the next round is launched (the LR scheduler advances there).
     """
 
+    REPORT_SIZE = 4
+
     def __init__(self, groups: Sequence[FlatGroup], shard_optimizer: ShardOptimizer, lane: CommLane, *, group,
-                 rank: int, world: int, mode: str, micro_batches_per_phase: int, grad_scale: float = 1.0,
-                 clip_grad: float = 0.0, reduce_scatter: bool = False,
+                 rank: int, world: int, mode: str, phases, grad_scale: float = 1.0, clip_grad: float = 0.0,
+                 reduce_scatter: bool = False, track_drift: bool = False,
+                 report: Optional[Callable[[], Sequence[float]]] = None, history: int = 4096,
                  on_commit: Optional[Callable[[RoundResult], None]] = None):
         if mode not in ("acco", "dpu"):
             raise ValueError(f"mode must be 'acco' or 'dpu', got {mode!r}")
@@ -112,57 +176,78 @@ class AccoSchedule:
         self.lane = lane
         self.group, self.rank, self.world = group, rank, world
         self.mode = mode
-        self.micro_batches_per_phase = micro_batches_per_phase
+        self.phases = phases
         self.grad_scale = grad_scale
         self.clip_grad = clip_grad
         self.reduce_scatter = reduce_scatter
+        self.track_drift = track_drift and mode == "acco"
+        self.report = report
         self.on_commit = on_commit
         self.phase = PhaseKind.BOOTSTRAP
         self.step_index = 0  # t: the optimizer step whose data the compute lane is producing
         self.committed_steps = 0
-        self.phase_micro_batches = 0  # micro-batches in the current phase
-        self.accumulated = 0.0  # micro-batches summed into G since it was last cleared
+        self.phase_tally = Tally()  # the current phase
+        self.buffer_tally = Tally()  # what G holds since it was last cleared
+        self.micro_batches = 0  # all micro-batches ever recorded
+        self.history: Deque[PhaseRecord] = collections.deque(maxlen=history)
+        self.recent_rounds: Deque[RoundResult] = collections.deque(maxlen=8)
+        self._decision: Optional[tuple] = None  # (micro-batch index, phase ends?)
         self._inflight: Optional[_InFlight] = None
-        self.events = ScheduleEvents()
+        self._estimate_shards: Optional[List[torch.Tensor]] = None  # lane-owned, for the drift
         for g in self.groups:
             g.grads.zero_()
 
     # -- the compute lane's calls ---------------------------------------------------------
-    def record_micro_batch(self, count: float = 1.0) -> None:
-        """Note one finished backward pass whose gradient now sits in G."""
-        self.phase_micro_batches += 1
-        self.accumulated += count
-        self.events.micro_batches += 1
+    def phase_ends(self, decide: bool = True) -> bool:
+        """Whether the phase ends with the micro-batch now being computed.
 
-    def phase_ends(self, micro_batches_done: Optional[int] = None) -> bool:
-        """Whether the phase ends after the micro-batch now being computed (fixed accumulation)."""
-        done = self.phase_micro_batches if micro_batches_done is None else micro_batches_done
-        return done + 1 >= self.micro_batches_per_phase
+        With ``decide`` the answer is fixed for this micro-batch (every later caller gets the
+        same one); without it, the current answer is returned and nothing is fixed (for callers
+        that ask early, e.g. before the backward pass: a later decision sees more rounds done).
+        """
+        if self._decision is not None and self._decision[0] == self.micro_batches:
+            return self._decision[1] is not None
+        inflight = self._inflight
+        done = (lambda: True) if inflight is None else inflight.handle.done
+        reason = self.phases.ends(self.phase_tally.micro_batches + 1, done)
+        if decide:
+            self._decision = (self.micro_batches, reason)
+        return reason is not None
+
+    def record_micro_batch(self, weight: float = 1.0) -> None:
+        """Note one finished backward pass whose gradient now sits in G."""
+        one = Tally(1, float(weight))
+        self.phase_tally = self.phase_tally.add(one)
+        self.buffer_tally = self.buffer_tally.add(one)
+        self.micro_batches += 1
 
     def end_phase(self) -> None:
         """Phase boundary: collect the round in flight, swap, launch the next round."""
+        ended, wait_s = self.phase, 0.0
+        reason = self._decision[1] if self._decision and self._decision[0] == self.micro_batches - 1 else None
+        step = self.step_index
         if self.mode == "dpu":
-            self._end_phase_dpu()
+            if self.phase is not PhaseKind.BOOTSTRAP:
+                wait_s = self._collect_into_live()  # model ← θ_k
+                self.step_index += 1
+            self._launch(RoundKind.COMMIT, clear_grads=True)
+            self.phase = PhaseKind.COMMIT
         elif self.phase is PhaseKind.BOOTSTRAP:
             self._launch(RoundKind.ESTIMATE, clear_grads=False)
             self.phase = PhaseKind.ESTIMATE
         elif self.phase is PhaseKind.ESTIMATE:
-            self._collect_into_live()  # model ← θ̃_{t+1}
+            wait_s = self._collect_into_live()  # model ← θ̃_{t+1}
             self._launch(RoundKind.COMMIT, clear_grads=True)  # the full batch of step t
             self.phase = PhaseKind.COMMIT
         else:
-            self._collect_into_live()  # model ← θ_{t+1}
+            wait_s = self._collect_into_live()  # model ← θ_{t+1}
             self.step_index += 1
             self._launch(RoundKind.ESTIMATE, clear_grads=False)  # Σg̃_{t+1}, kept in G
             self.phase = PhaseKind.ESTIMATE
-        self.phase_micro_batches = 0
-
-    def _end_phase_dpu(self) -> None:
-        if self.phase is not PhaseKind.BOOTSTRAP:
-            self._collect_into_live()
-            self.step_index += 1
-        self._launch(RoundKind.COMMIT, clear_grads=True)
-        self.phase = PhaseKind.COMMIT
+        data_step = step + 1 if ended is PhaseKind.COMMIT else (step if ended is PhaseKind.ESTIMATE else 0)
+        self.history.append(PhaseRecord(ended, data_step, self.phase_tally, wait_s, time.perf_counter(),
+                                        reason or "forced"))
+        self.phase_tally = Tally()
 
     def drain(self) -> Optional[RoundResult]:
         """Wait for the round in flight (if any); a finished commit is booked as committed."""
@@ -199,19 +284,25 @@ class AccoSchedule:
             g.comm.copy_(g.grads)
             if clear_grads:
                 g.grads.zero_()
-        count = self.accumulated
+        tally = self.buffer_tally
         if clear_grads:
-            self.accumulated = 0.0
+            self.buffer_tally = Tally()
         step = self.step_index
-        handle = self.lane.submit(f"{kind.value} {step}", lambda: self._round(kind, step, count))
+        report = list(self.report()) if self.report is not None else []
+        handle = self.lane.submit(f"{kind.value} {step}", lambda: self._round(kind, step, tally, report))
         self._inflight = _InFlight(handle, kind, step)
 
     def _wait(self, inflight: _InFlight) -> RoundResult:
         if inflight.result is None:
             t0 = time.perf_counter()
             inflight.result = self.lane.wait(inflight.handle)
-            self.events.wait_s += time.perf_counter() - t0
-            self.events.rounds.append(inflight.result)
+            inflight.wait_s += time.perf_counter() - t0
+            inflight.result.wait_s = inflight.wait_s
+            # The lane's clock covers the whole round as it ran on the lane.
+            inflight.result.started_at = inflight.handle.started_at or inflight.result.started_at
+            inflight.result.finished_at = inflight.handle.finished_at or inflight.result.finished_at
+            inflight.result.collected_at = time.perf_counter()
+            self.recent_rounds.append(inflight.result)
         if inflight.kind is RoundKind.COMMIT and not inflight.committed:
             inflight.committed = True
             self.committed_steps += 1
@@ -219,21 +310,32 @@ class AccoSchedule:
                 self.on_commit(inflight.result)
         return inflight.result
 
-    def _collect_into_live(self) -> None:
-        self._wait(self._inflight)
+    def _collect_into_live(self) -> float:
+        inflight = self._inflight
+        waited_before = inflight.wait_s
+        self._wait(inflight)
         for g in self.groups:
             g.live.copy_(g.comm)
         self._inflight = None
+        return inflight.wait_s - waited_before
 
-    def _round(self, kind: RoundKind, step: int, local_count: float) -> RoundResult:
+    def _round(self, kind: RoundKind, step: int, local: Tally, report: List[float]) -> RoundResult:
         """One communication round; runs on the lane. Touches only comm, master and the optimizer."""
         started = time.perf_counter()
         device = self.groups[0].comm.device
-        counts = collectives.sum_scalars(torch.tensor([local_count], dtype=torch.float64, device=device), self.group)
-        global_count = float(counts[0])
-        if global_count <= 0:
-            raise RuntimeError(f"round '{kind.value} {step}': no micro-batch on any rank")
-        denom = global_count * self.grad_scale
+        # Counts (and the compute lane's report) of every rank, in one small collective.
+        mine = torch.zeros(2 + self.REPORT_SIZE, dtype=torch.float64, device=device)
+        mine[0], mine[1] = local.micro_batches, local.weight
+        mine[2:2 + len(report)] = torch.tensor(report[:self.REPORT_SIZE], dtype=torch.float64)
+        table = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=device)
+        collectives.gather_shards(mine, table, self.group)
+        table = table.view(self.world, -1).cpu()
+        per_rank = [Tally(int(row[0]), float(row[1])) for row in table]
+        weight = sum(t.weight for t in per_rank)
+        if weight <= 0:
+            raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "
+                               f"(micro-batches per rank: {[t.micro_batches for t in per_rank]})")
+        denom = weight * self.grad_scale
         grads = []
         for g in self.groups:
             summed = collectives.reduce_to_shard(g.comm, self.rank, self.world, self.group, self.reduce_scatter)
@@ -246,15 +348,32 @@ class AccoSchedule:
             if factor > 1.0:
                 for gr in grads:
                     gr.mul_(1.0 / factor)
-        outs = [torch.empty(g.master.numel(), dtype=g.comm.dtype, device=g.comm.device) for g in self.groups]
+        shards = [torch.empty(g.master.numel(), dtype=torch.float32, device=device) for g in self.groups]
+        drift = None
         if kind is RoundKind.COMMIT:
-            self.shard_optimizer.commit(grads, outs)
+            before = [g.master.detach().clone() for g in self.groups] if self._estimate_shards else None
+            self.shard_optimizer.commit(grads, shards)
+            if before is not None:
+                drift = self._drift(before, shards)
         else:
-            self.shard_optimizer.estimate(grads, outs)
+            self.shard_optimizer.estimate(grads, shards)
+            if self.track_drift:
+                self._estimate_shards = [s.clone() for s in shards]
         del grads
-        for g, out in zip(self.groups, outs):
-            collectives.gather_shards(out, g.comm, self.group)
-        return RoundResult(kind, step, local_count, global_count, grad_norm, started, time.perf_counter())
+        for g, shard in zip(self.groups, shards):
+            collectives.gather_shards(shard.to(g.comm.dtype), g.comm, self.group)
+        return RoundResult(kind, step, local, per_rank, grad_norm, drift, table[:, 2:], started,
+                           time.perf_counter())
+
+    def _drift(self, before: List[torch.Tensor], after: List[torch.Tensor]) -> float:
+        sums = torch.zeros(2, dtype=torch.float64, device=after[0].device)
+        for est, old, new in zip(self._estimate_shards, before, after):
+            sums[0] += (est.double() - new.double()).pow(2).sum()
+            sums[1] += (new.double() - old.double()).pow(2).sum()
+        self._estimate_shards = None
+        collectives.sum_scalars(sums, self.group)
+        step_sq = float(sums[1])
+        return float(sums[0].sqrt() / sums[1].sqrt()) if step_sq > 0 else float("nan")
 
 
 def _swap_(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 20) -> None:

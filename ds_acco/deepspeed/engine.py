@@ -15,6 +15,7 @@ import deepspeed.runtime.engine as ds_engine_module
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
+from ..metrics import format_line, scalar_items
 from ..config import AccoConfig, acco_config_of, check_deepspeed_compat, load_ds_config
 from .optimizer import _REPLACED_KNOBS, AccoZeroOptimizer
 
@@ -43,6 +44,7 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_config = acco_config
         self._acco_lr_kwargs = None
         self._acco_boundary = None
+        self._acco_weight = 1.0
         super().__init__(*args, **kwargs)
         if not isinstance(self.optimizer, AccoZeroOptimizer):
             raise ValueError(f"acco.enabled = true but DeepSpeed built {type(self.optimizer).__name__}, not a ZeRO "
@@ -70,22 +72,44 @@ class AccoEngine(DeepSpeedEngine):
         return opt.schedule if isinstance(opt, AccoZeroOptimizer) else None
 
     def is_gradient_accumulation_boundary(self):
-        """True when the current micro-batch ends an ACCO phase (A/2 micro-batches in 'acco', A in 'dpu')."""
+        """True when the current micro-batch ends an ACCO phase (fixed: every A/2 micro-batches in
+        'acco', every A in 'dpu'). With dynamic accumulation the phase end is decided in
+        ``step()``; asked before it, the answer is the forecast if the step were now."""
         schedule = self._acco_schedule()
         if schedule is None:
             return super().is_gradient_accumulation_boundary()
         if self._acco_boundary is not None:
             return self._acco_boundary
-        return schedule.phase_ends()
+        # Outside step() this is a forecast: DeepSpeed asks in forward and backward, and a round
+        # that finishes before step() must still end a dynamic phase. step() decides.
+        return schedule.phase_ends(decide=False)
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         raise ValueError("set_gradient_accumulation_boundary() conflicts with ACCO, which ends its own phases; "
                          "fix: call engine.step() after every micro-batch and let ACCO decide")
 
-    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        if not scale_wrt_gas and self._acco_schedule() is not None:
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True, weight=None):
+        """DeepSpeed's backward. ``weight``: this micro-batch's sample or token count, required with
+        ``acco.weighting`` 'sample' / 'token' (the loss must then be a sum over those units)."""
+        schedule = self._acco_schedule()
+        if schedule is None:
+            if weight is not None:
+                raise ValueError("engine.backward(..., weight=...) needs an enabled \"acco\" block with "
+                                 "weighting 'sample' or 'token'")
+            return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        if not scale_wrt_gas:
             raise ValueError("engine.backward(..., scale_wrt_gas=False) with ACCO: the mean gradient is formed "
                              "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True")
+        weighting = self._acco_config.weighting
+        if weighting == "micro_batch" and weight is not None:
+            raise ValueError(f"engine.backward(..., weight={weight!r}) with acco.weighting = 'micro_batch': every "
+                             "micro-batch weighs 1; fix: set acco.weighting to 'sample' or 'token', or drop weight")
+        if weighting != "micro_batch":
+            if weight is None or not (float(weight) >= 0):
+                raise ValueError(f"acco.weighting = {weighting!r} needs engine.backward(loss, weight=n) with the "
+                                 f"micro-batch's {weighting} count n >= 0 (got weight={weight!r}); the loss must be "
+                                 f"the sum over {weighting}s, not their mean")
+        self._acco_weight = 1.0 if weight is None else float(weight)
         return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs=None):
@@ -94,7 +118,8 @@ class AccoEngine(DeepSpeedEngine):
         if schedule is None:
             return super().step(lr_kwargs)
         self._acco_boundary = schedule.phase_ends()  # decided once, before the count moves
-        schedule.record_micro_batch()
+        schedule.record_micro_batch(self._acco_weight)
+        self._acco_weight = 1.0
         try:
             return super().step(lr_kwargs)
         finally:
@@ -104,7 +129,7 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_lr_kwargs = lr_kwargs
         self.optimizer.step()  # ends the phase; a commit collected here calls _acco_on_commit
 
-    def _acco_on_commit(self, result) -> None:
+    def _acco_on_commit(self, result, record) -> None:
         # Same bookkeeping as DeepSpeedEngine._take_model_step, once per committed step.
         self._step_applied = True
         if self.lr_scheduler is not None:
@@ -118,7 +143,30 @@ class AccoEngine(DeepSpeedEngine):
         self._global_grad_norm = result.grad_norm
         self.losses = None
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        total = result.total
+        samples = total.weight if self._acco_config.weighting == "sample" else (
+            total.micro_batches * self.train_micro_batch_size_per_gpu())
+        self.global_samples += int(samples)
+        self._acco_emit(record)
+
+    def _acco_emit(self, record) -> None:
+        cfg = self._acco_config.metrics
+        if self.global_rank != 0:
+            return
+        if cfg.monitor and self.monitor.enabled:
+            self.monitor.write_events([(f"ACCO/{k}", v, self.global_samples) for k, v in scalar_items(record)])
+        if cfg.log_every and record["step"] % cfg.log_every == 0:
+            logger.info(format_line(record))
+
+    @property
+    def acco_metrics(self):
+        """The last committed step's metrics (a dict), or None before the first commit."""
+        return self.optimizer.metrics.last
+
+    @property
+    def acco_metrics_history(self):
+        """The metrics of the last committed steps (oldest first, bounded)."""
+        return list(self.optimizer.metrics.records)
 
     # -- committed weights and teardown -----------------------------------------------------------
     def acco_committed_weights(self):

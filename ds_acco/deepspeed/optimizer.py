@@ -19,7 +19,8 @@ from deepspeed.utils import logger
 from ..comm import collectives
 from ..comm.lane import CommLane
 from ..config import AccoConfig
-from ..core.schedule import AccoSchedule, FlatGroup, RoundResult
+from ..core.schedule import AccoSchedule, DynamicPhases, FixedPhases, FlatGroup, RoundResult
+from ..metrics import StepMetrics
 from ..core.shard_optimizer import ShardOptimizer
 
 # Stock knobs that only shape DeepSpeed's own reduction, which ACCO replaces.
@@ -65,19 +66,24 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
                 self._grad_views.append((p, grads.narrow(0, offset, p.numel()).view_as(p)))
         self._attach_grads()
 
-        phase_len = gradient_accumulation_steps // 2 if acco_config.mode == "acco" else gradient_accumulation_steps
+        if acco_config.accumulation == "dynamic":
+            d = acco_config.dynamic_bounds(gradient_accumulation_steps)
+            phases = DynamicPhases(d.min_micro_batches, d.max_micro_batches, d.check_every)
+        else:
+            phases = FixedPhases(acco_config.phase_length(gradient_accumulation_steps))
+        self.metrics = StepMetrics(acco_config.mode)
         self.schedule = AccoSchedule(
             groups, ShardOptimizer(self.optimizer, self.single_partition_of_fp32_groups),
             CommLane(synchronous=acco_config.synchronous, timeout_s=acco_config.comm_timeout_s,
                      accelerator=get_accelerator()),
-            group=self.acco_group, rank=rank, world=world, mode=acco_config.mode,
-            micro_batches_per_phase=phase_len, grad_scale=1.0 / gradient_accumulation_steps,
-            clip_grad=self.clip_grad, reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
-            on_commit=self._on_commit)
+            group=self.acco_group, rank=rank, world=world, mode=acco_config.mode, phases=phases,
+            grad_scale=1.0 / gradient_accumulation_steps, clip_grad=self.clip_grad,
+            reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
+            track_drift=acco_config.metrics.estimate_drift, report=self.metrics.report, on_commit=self._on_commit)
         self._engine_on_commit = on_commit
         if dist.get_rank() == 0:
-            logger.info(f"ACCO: mode={acco_config.mode} accumulation={acco_config.accumulation} "
-                        f"micro_batches_per_phase={phase_len} synchronous={acco_config.synchronous} "
+            logger.info(f"ACCO: mode={acco_config.mode} accumulation={acco_config.accumulation} phases={phases} "
+                        f"weighting={acco_config.weighting} synchronous={acco_config.synchronous} "
                         f"reduce={'reduce_scatter' if self.schedule.reduce_scatter else 'all_reduce+slice'}")
 
     # -- gradients live in G ------------------------------------------------------------------
@@ -106,8 +112,9 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def _on_commit(self, result: RoundResult) -> None:
         self._global_grad_norm = result.grad_norm
+        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, self.get_lr())
         if self._engine_on_commit is not None:
-            self._engine_on_commit(result)
+            self._engine_on_commit(result, record)
 
     def drain(self):
         """Wait for the round in flight; returns its result (None if nothing was in flight)."""
