@@ -103,13 +103,29 @@ _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".
              ".csv": "csv", ".parquet": "parquet"}
 
 
+def _local_files(path: str) -> Tuple[str, List[str]]:
+    """The ``datasets`` builder and the sorted data files of a local file or directory."""
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(os.path.join(root, f) for root, _, names in os.walk(path) for f in names
+                       if os.path.splitext(f)[1].lower() in _BUILDERS)
+    builders = {_BUILDERS.get(os.path.splitext(f)[1].lower()) for f in files}
+    if not files or None in builders:
+        raise ValueError(f"don't know how to read {path!r}: expected files ending in {sorted(_BUILDERS)}")
+    if len(builders) > 1:
+        raise ValueError(f"{path!r} mixes file kinds {sorted(builders)}; point at one kind of file")
+    return builders.pop(), files
+
+
 def load_text_dataset(source: Optional[str] = None, *, split: str = "train", text_column: str = "text") -> str:
     """The training text of ``source``, as one string (documents separated by a blank line).
 
     ``source`` is one of:
       * ``None`` or ``"embedded"``: :func:`embedded_corpus` (no ``datasets``, no network);
       * a local file (``.txt``/``.md``, ``.json``/``.jsonl``, ``.csv``, ``.parquet``) or a directory
-        of such files, read with ``datasets.load_dataset``;
+        of files of one of these kinds, read with ``datasets.load_dataset`` (a text file is one
+        document);
       * a hub dataset name, optionally ``name:config`` (e.g. ``wikitext:wikitext-2-raw-v1``);
         this one downloads, so it is only ever used when asked for explicitly.
     ``text_column`` names the column holding the text (``"text"`` for plain-text files).
@@ -121,13 +137,10 @@ def load_text_dataset(source: Optional[str] = None, *, split: str = "train", tex
     except ImportError as exc:
         raise ImportError(f"loading {source!r} needs the 'datasets' package (pip install datasets); "
                           "the default embedded corpus does not") from exc
-    if os.path.isfile(source):
-        ext = os.path.splitext(source)[1].lower()
-        if ext not in _BUILDERS:
-            raise ValueError(f"don't know how to read {source!r}: expected one of {sorted(_BUILDERS)}")
-        ds = datasets.load_dataset(_BUILDERS[ext], data_files=source, split=split)
-    elif os.path.isdir(source):
-        ds = datasets.load_dataset(source, split=split)
+    if os.path.exists(source):
+        builder, files = _local_files(source)
+        extra = {"sample_by": "document"} if builder == "text" else {}  # a file is a document, not a line
+        ds = datasets.load_dataset(builder, data_files=files, split=split, **extra)
     else:
         name, _, config = source.partition(":")
         ds = datasets.load_dataset(name, config or None, split=split)

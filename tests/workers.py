@@ -230,3 +230,97 @@ def train_until(case: dict):
 
 def train_until_cases(cases):
     return [train_until(c) for c in cases]
+
+
+def _engine_for(case, use_ds_acco=True):
+    import deepspeed
+    model = TinyNet(seed=0)
+    cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0))
+    opt = make_optimizer(case["optimizer"])(model)
+    sched = make_scheduler(case.get("schedule"))
+    init = ds_acco.initialize if use_ds_acco else deepspeed.initialize
+    engine, *_ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
+    return engine
+
+
+def _feed(engine, rank, start, stop, on_micro_batch=None):
+    losses = []
+    for i in range(start, stop):
+        loss = engine(*batch(rank, i))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if on_micro_batch is not None:
+            on_micro_batch(i)
+    return losses
+
+
+def checkpoint_save_run(case, save_dir, save_at, total):
+    """Train ``total`` micro-batches, saving a checkpoint (tag 'mb<i>') after each micro-batch in ``save_at``."""
+    rank = int(__import__("os").environ["RANK"])
+    engine = _engine_for(case)
+
+    def maybe_save(i):
+        if i in save_at:
+            engine.save_checkpoint(save_dir, tag=f"mb{i}")
+    losses = _feed(engine, rank, 0, total, maybe_save)
+    with ds_acco.committed_weights(engine):
+        final = snapshot(engine.module)
+    steps = engine.global_steps
+    engine.destroy()
+    return {"losses": losses, "final": final, "global_steps": steps}
+
+
+def checkpoint_resume_runs(case, save_dir, save_at, total, use_ds_acco=True):
+    """For each tag: a new engine loads it and trains on to ``total``."""
+    rank = int(__import__("os").environ["RANK"])
+    out = {}
+    for i in save_at:
+        engine = _engine_for(case, use_ds_acco)
+        path, _ = engine.load_checkpoint(save_dir, tag=f"mb{i}")
+        assert path is not None
+        loaded_steps = engine.global_steps
+        with ds_acco.committed_weights(engine):
+            loaded = snapshot(engine.module)
+        losses = _feed(engine, rank, i + 1, total)
+        with ds_acco.committed_weights(engine):
+            final = snapshot(engine.module)
+        out[i] = {"losses": losses, "final": final, "global_steps": engine.global_steps,
+                  "loaded_steps": loaded_steps, "loaded": loaded, "optimizer": type(engine.optimizer).__name__}
+        engine.destroy()
+    return out
+
+
+def checkpoint_killed_save(case, save_dir, kill_point):
+    """Save tag 'good', train on, then die (exit code 3) during the save of tag 'bad'."""
+    import os
+    import ds_acco.deepspeed.checkpoint as ckpt
+    rank = int(__import__("os").environ["RANK"])
+    engine = _engine_for(case)
+    _feed(engine, rank, 0, 5)
+    engine.save_checkpoint(save_dir, tag="good")
+    _feed(engine, rank, 5, 9)
+    if kill_point == "before_publish":
+        ckpt.publish = lambda *a, **k: os._exit(3)
+    else:  # in the middle of DeepSpeed writing the files
+        import torch as _torch
+        real_save, calls = _torch.save, []
+
+        def dying_save(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(3)
+            return real_save(*a, **k)
+        _torch.save = dying_save
+    engine.save_checkpoint(save_dir, tag="bad")
+    return "not killed"
+
+
+def checkpoint_load_latest(case, save_dir):
+    engine = _engine_for(case)
+    path, _ = engine.load_checkpoint(save_dir)
+    with ds_acco.committed_weights(engine):
+        theta = snapshot(engine.module)
+    out = {"path": path, "global_steps": engine.global_steps, "theta": theta}
+    engine.destroy()
+    return out

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Deque, List, Optional, Sequence
 
@@ -194,6 +195,7 @@ class AccoSchedule:
         self._decision: Optional[tuple] = None  # (micro-batch index, phase ends?)
         self._inflight: Optional[_InFlight] = None
         self._estimate_shards: Optional[List[torch.Tensor]] = None  # lane-owned, for the drift
+        self._swapped = False  # inside committed_weights: live and comm exchanged
         for g in self.groups:
             g.grads.zero_()
 
@@ -257,19 +259,109 @@ class AccoSchedule:
 
     @contextlib.contextmanager
     def committed_weights(self):
-        """Inside: ``live`` holds the newest committed θ; on exit, the live state is restored."""
-        self.drain()
+        """Inside: ``live`` holds the newest committed θ; on exit, the live state is restored.
+
+        A commit round in flight is waited for (its θ is the newest); an estimate round is not:
+        the live weights already are the committed θ_t and the round may go on.
+        """
         inflight = self._inflight
+        if inflight is not None and inflight.kind is RoundKind.COMMIT:
+            self.drain()
         swap = inflight is not None and inflight.kind is RoundKind.COMMIT
         if swap:  # comm holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu)
             for g in self.groups:
                 _swap_(g.live, g.comm)
+            self._swapped = True
         try:
             yield
         finally:
             if swap:
                 for g in self.groups:
                     _swap_(g.live, g.comm)
+                self._swapped = False
+
+    # -- exact resume ----------------------------------------------------------------------
+    STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """Everything in flight, for an exact resume: the accumulator G, the live weights and the
+        communication buffer as the compute lane sees them, the phase position and the finished
+        round's result. Drains first (no collective is cut). Tensors are copied to CPU."""
+        self.drain()
+        live_key, comm_key = ("comm", "live") if self._swapped else ("live", "comm")
+        inflight = self._inflight
+
+        def cpu(ts):
+            return [t.detach().to("cpu", copy=True) for t in ts]
+
+        return {
+            "version": self.STATE_VERSION,
+            "mode": self.mode,
+            "world": self.world,
+            "numel": [g.live.numel() for g in self.groups],
+            "phase": self.phase.value,
+            "step_index": self.step_index,
+            "committed_steps": self.committed_steps,
+            "phase_tally": (self.phase_tally.micro_batches, self.phase_tally.weight),
+            "buffer_tally": (self.buffer_tally.micro_batches, self.buffer_tally.weight),
+            "micro_batches": self.micro_batches,
+            "grads": cpu(g.grads for g in self.groups),
+            "live": cpu(getattr(g, live_key) for g in self.groups),
+            "comm": cpu(getattr(g, comm_key) for g in self.groups) if inflight is not None else None,
+            "inflight": None if inflight is None else {
+                "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
+                "result": _result_to_dict(inflight.result)},
+            "estimate_shards": None if self._estimate_shards is None else cpu(self._estimate_shards),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (same mode, world size and layout)."""
+        if self._inflight is not None:
+            self.drain()
+        mismatch = [k for k, mine in (("version", self.STATE_VERSION), ("mode", self.mode), ("world", self.world),
+                                      ("numel", [g.live.numel() for g in self.groups])) if state.get(k) != mine]
+        if mismatch:
+            raise ValueError(f"ACCO in-flight state does not fit this run ({', '.join(mismatch)} differ)")
+        with torch.no_grad():
+            for g, grads, live in zip(self.groups, state["grads"], state["live"]):
+                g.grads.copy_(grads)
+                g.live.copy_(live)
+            if state["comm"] is not None:
+                for g, comm in zip(self.groups, state["comm"]):
+                    g.comm.copy_(comm)
+        self.phase = PhaseKind(state["phase"])
+        self.step_index = state["step_index"]
+        self.committed_steps = state["committed_steps"]
+        self.phase_tally = Tally(*state["phase_tally"])
+        self.buffer_tally = Tally(*state["buffer_tally"])
+        self.micro_batches = state["micro_batches"]
+        self._decision = None
+        device = self.groups[0].master.device
+        self._estimate_shards = (None if state["estimate_shards"] is None else
+                                 [t.to(device) for t in state["estimate_shards"]])
+        info = state["inflight"]
+        if info is None:
+            self._inflight = None
+        else:  # a finished round whose result sits in comm
+            result = _result_from_dict(info["result"])
+            future: Future = Future()
+            future.set_result(result)
+            self._inflight = _InFlight(RoundHandle(f"{info['kind']} {info['step']} (restored)", future),
+                                       RoundKind(info["kind"]), info["step"], result, info["committed"])
+
+    def reset(self, committed_steps: int) -> None:
+        """Forget everything in flight and start a bootstrap phase at the current weights, as after
+        ``committed_steps`` optimizer steps (e.g. after loading a stock ZeRO-1 checkpoint)."""
+        self.drain()
+        self._inflight = None
+        self.step_index = self.committed_steps = committed_steps
+        self.phase = PhaseKind.BOOTSTRAP
+        self.phase_tally = Tally()
+        self.buffer_tally = Tally()
+        self._decision = None
+        self._estimate_shards = None
+        for g in self.groups:
+            g.grads.zero_()
 
     def close(self) -> None:
         """Drain and stop the lane."""
@@ -374,6 +466,20 @@ class AccoSchedule:
         collectives.sum_scalars(sums, self.group)
         step_sq = float(sums[1])
         return float(sums[0].sqrt() / sums[1].sqrt()) if step_sq > 0 else float("nan")
+
+
+def _result_to_dict(r: RoundResult) -> dict:
+    """Plain types only, so checkpoints load without unpickling our classes."""
+    return {"kind": r.kind.value, "step": r.step, "local": (r.local.micro_batches, r.local.weight),
+            "per_rank": [(t.micro_batches, t.weight) for t in r.per_rank], "grad_norm": r.grad_norm,
+            "drift": r.drift, "peer_report": r.peer_report, "started_at": r.started_at,
+            "finished_at": r.finished_at, "wait_s": r.wait_s, "collected_at": r.collected_at}
+
+
+def _result_from_dict(d: dict) -> RoundResult:
+    return RoundResult(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
+                       d["grad_norm"], d["drift"], d["peer_report"], d["started_at"], d["finished_at"], d["wait_s"],
+                       d["collected_at"])
 
 
 def _swap_(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 20) -> None:

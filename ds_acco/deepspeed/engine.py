@@ -12,11 +12,13 @@ from typing import Any, Optional
 
 import deepspeed
 import deepspeed.runtime.engine as ds_engine_module
+from deepspeed import comm as ds_dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
-from ..metrics import format_line, scalar_items
 from ..config import AccoConfig, acco_config_of, check_deepspeed_compat, load_ds_config
+from ..metrics import format_line, scalar_items
+from . import checkpoint
 from .optimizer import _REPLACED_KNOBS, AccoZeroOptimizer
 
 _PATCH_LOCK = threading.RLock()
@@ -179,12 +181,47 @@ class AccoEngine(DeepSpeedEngine):
             schedule.close()
         super().destroy()
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("engine.save_checkpoint with ACCO is not supported in this version of ds_acco; "
-                                  "use ds_acco.committed_weights(engine) to export the committed parameters")
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's save, drained first, with the committed θ as the model weights and ACCO's
+        in-flight state beside the optimizer state, published atomically (see checkpoint.py)."""
+        schedule = self._acco_schedule()
+        schedule.drain()  # may book a commit: the tag then names the step it contains
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        rank = self.local_rank if self.use_node_local_storage() else self.global_rank
+        if rank == 0:
+            checkpoint.clear_scratch(save_dir, tag)
+        with schedule.committed_weights():
+            super().save_checkpoint(save_dir, tag=checkpoint.scratch_tag(tag), client_state=client_state,
+                                    save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+        if rank == 0:
+            checkpoint.publish(save_dir, tag, save_latest)
+        ds_dist.barrier()
+        return True
 
-    def load_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("engine.load_checkpoint with ACCO is not supported in this version of ds_acco")
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's load; then ACCO's in-flight state is restored when the checkpoint has it
+        for this world size, otherwise a fresh phase starts at the loaded (committed) weights."""
+        schedule = self._acco_schedule()
+        schedule.drain()
+        self.optimizer.pending_acco_state = None
+        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        if out[0] is None:
+            return out
+        state = self.optimizer.pending_acco_state
+        self.optimizer.pending_acco_state = None
+        restored = False
+        if state is not None:
+            try:
+                schedule.load_state_dict(state)
+                restored = True
+            except ValueError as exc:
+                logger.warning(f"{exc}; starting a fresh ACCO phase at the loaded weights")
+        if not restored:
+            schedule.reset(self.global_steps)
+            if self.global_rank == 0:
+                logger.info("ACCO: no usable in-flight state in the checkpoint (stock ZeRO-1 checkpoint, other "
+                            "world size, or optimizer states not loaded): starting a fresh phase")
+        return out
 
 
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):

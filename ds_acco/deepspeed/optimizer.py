@@ -23,6 +23,8 @@ from ..core.schedule import AccoSchedule, DynamicPhases, FixedPhases, FlatGroup,
 from ..metrics import StepMetrics
 from ..core.shard_optimizer import ShardOptimizer
 
+ACCO_STATE_KEY = "acco_state"
+
 # Stock knobs that only shape DeepSpeed's own reduction, which ACCO replaces.
 _REPLACED_KNOBS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
                    "allgather_bucket_size", "round_robin_gradients")
@@ -81,6 +83,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
             track_drift=acco_config.metrics.estimate_drift, report=self.metrics.report, on_commit=self._on_commit)
         self._engine_on_commit = on_commit
+        self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
         if dist.get_rank() == 0:
             logger.info(f"ACCO: mode={acco_config.mode} accumulation={acco_config.accumulation} phases={phases} "
                         f"weighting={acco_config.weighting} synchronous={acco_config.synchronous} "
@@ -124,12 +127,25 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         """Context manager: the model holds the newest committed θ inside (see ds_acco.committed_weights)."""
         return self.schedule.committed_weights()
 
+    # -- checkpoints: DeepSpeed's ZeRO state plus ACCO's in-flight state ------------------------
     def state_dict(self):
-        raise NotImplementedError("checkpointing an ACCO engine is not supported in this version of ds_acco "
-                                  "(in-flight state would be lost); use committed_weights() to export θ")
+        """DeepSpeed's ZeRO-1 state (committed master shards, optimizer state) plus, under
+        ``ACCO_STATE_KEY``, this rank's in-flight state. Drains first."""
+        acco_state = self.schedule.state_dict()  # drains: masters and optimizer state are committed
+        sd = super().state_dict()
+        sd[ACCO_STATE_KEY] = acco_state
+        return sd
 
-    def load_state_dict(self, *args, **kwargs):
-        raise NotImplementedError("loading a checkpoint into an ACCO engine is not supported in this version")
+    def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
+                        checkpoint_folder=None, load_serial=None, param_shapes=None):
+        self.schedule.drain()
+        super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
+                                load_from_fp32_weights=load_from_fp32_weights, checkpoint_folder=checkpoint_folder,
+                                load_serial=load_serial, param_shapes=param_shapes)
+        world = dist.get_world_size(group=self.dp_process_group)
+        self.pending_acco_state = None
+        if checkpoint_folder is None and load_optimizer_states and len(state_dict_list) == world:
+            self.pending_acco_state = state_dict_list[dist.get_rank(group=self.dp_process_group)].get(ACCO_STATE_KEY)
 
     def destroy(self):
         self.schedule.close()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Run the test suite from a fresh clone: creates .venv if missing, installs torch first (an
+# unpinned torch would pull a multi-GB CUDA build), then this package with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[test,mpi]'
+export DS_ACCELERATOR=cpu
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
+exec python -m pytest -q "$@"

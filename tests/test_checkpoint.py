@@ -1,0 +1,79 @@
+"""Checkpoints through DeepSpeed's API: exact resume in new processes, stock <-> ACCO, atomic saves."""
+import os
+
+import pytest
+import torch
+
+from dist import run_ranks
+import workers
+
+TOTAL = 22
+# after micro-batch: 2 (bootstrap just ended, E_0 in flight), 4 (mid E... phase ends), 6 (mid C_0),
+# 8 (mid E_1), 11 (a C→E boundary), 13 (an E→C boundary)
+SAVE_AT = (2, 4, 6, 8, 11, 13)
+CASES = {
+    "acco": {"optimizer": "adamw", "schedule": "inv", "clip": 0.5, "acco": {"enabled": True, "mode": "acco"}},
+    "dpu": {"optimizer": "sgd", "schedule": "inv", "acco": {"enabled": True, "mode": "dpu"}},
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def saved(request, tmp_path_factory):
+    case = CASES[request.param]
+    save_dir = str(tmp_path_factory.mktemp(f"ckpt-{request.param}"))
+    full = run_ranks(workers.checkpoint_save_run, case=case, save_dir=save_dir, save_at=SAVE_AT, total=TOTAL)
+    resumed = run_ranks(workers.checkpoint_resume_runs, case=case, save_dir=save_dir, save_at=SAVE_AT, total=TOTAL)
+    return request.param, case, save_dir, full, resumed
+
+
+def test_resume_in_new_processes_is_bit_identical(saved):
+    name, _, _, full, resumed = saved
+    for rank in (0, 1):
+        for i in SAVE_AT:
+            got = resumed[rank][i]
+            assert got["optimizer"] == "AccoZeroOptimizer"
+            assert got["losses"] == full[rank]["losses"][i + 1:], f"{name}: losses differ after resuming at {i}"
+            for n, t in full[rank]["final"].items():
+                assert torch.equal(got["final"][n], t), f"{name}: {n} differs after resuming at {i}"
+            assert got["global_steps"] == full[rank]["global_steps"]
+
+
+def test_saving_does_not_perturb_training(saved):
+    name, case, _, full, _ = saved
+    plain = run_ranks(workers.train_cases, cases=[dict(case, steps=TOTAL // 4, gas=4)])[0][0]
+    assert plain["losses"][:TOTAL] == full[0]["losses"][:len(plain["losses"])]
+
+
+def test_acco_checkpoint_loads_into_stock_zero1(saved):
+    name, case, save_dir, full, resumed = saved
+    stock = run_ranks(workers.checkpoint_resume_runs, case=dict(case, acco=None), save_dir=save_dir,
+                      save_at=(11,), total=TOTAL, use_ds_acco=False)
+    got = stock[0][11]
+    assert got["optimizer"] == "DeepSpeedZeroOptimizer"
+    # it starts from the committed θ the ACCO run held at that point
+    for n, t in resumed[0][11]["loaded"].items():
+        assert torch.equal(got["loaded"][n], t)
+    assert got["loaded_steps"] == resumed[0][11]["loaded_steps"]
+    assert got["global_steps"] > got["loaded_steps"]
+
+
+def test_stock_checkpoint_loads_into_acco(tmp_path):
+    case = CASES["acco"]
+    stock_case = dict(case, acco=None)
+    run_ranks(workers.checkpoint_save_run, case=stock_case, save_dir=str(tmp_path), save_at=(7,), total=8)
+    out = run_ranks(workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=(7,), total=TOTAL)
+    got = out[0][7]
+    assert got["optimizer"] == "AccoZeroOptimizer" and got["loaded_steps"] == 2
+    assert got["global_steps"] > 2 and all(torch.isfinite(t).all() for t in got["final"].values())
+
+
+@pytest.mark.parametrize("kill_point", ["before_publish", "while_writing"])
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, kill_point):
+    case = CASES["acco"]
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        run_ranks(workers.checkpoint_killed_save, world=1, case=case, save_dir=str(tmp_path), kill_point=kill_point)
+    assert open(tmp_path / "latest").read() == "good"
+    assert not (tmp_path / "bad").exists()
+    out = run_ranks(workers.checkpoint_load_latest, world=1, case=case, save_dir=str(tmp_path))[0]
+    assert out["path"] is not None and f"{os.sep}good{os.sep}" in out["path"]
+    assert out["global_steps"] == 1  # 5 micro-batches of gas 4 in acco: one commit (drained at save)
