@@ -52,6 +52,9 @@ class AccoConfig(BaseModel):
     weighting: Literal["micro_batch", "sample", "token"] = Field(
         "micro_batch", description="What each gradient is averaged over; 'sample' / 'token' need "
         "engine.backward(loss, weight=n).")
+    nonfinite: Literal["skip", "raise"] = Field(
+        "skip", description="A round whose global mean gradient has inf/NaN: 'skip' its update (counted in "
+        "engine.skipped_steps; the estimate falls back to θ) or 'raise' an error.")
     synchronous: bool = Field(
         False, description="Debug: run every round inline (no overlap); results are bit-identical.")
     comm_timeout_s: float = Field(

@@ -58,6 +58,7 @@ class StepMetrics:
             "overlap": max(0.0, 1.0 - exposed / comm_s) if comm_s > 0 else math.nan,
             "step_time_s": step_time,
             "grad_norm": commit.grad_norm,
+            "skipped": commit.skipped,
         }
         if estimate is not None:
             rec["estimate_micro_batches_global"] = estimate.total.micro_batches

@@ -63,8 +63,13 @@ class _Trainer:
 
 def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, world: int, gas: int, steps: int,
                   mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
-                  clip: float = 0.0, estimate_log: Optional[List] = None) -> Dict[str, torch.Tensor]:
-    """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank."""
+                  clip: float = 0.0, estimate_log: Optional[List] = None,
+                  skip_estimate=(), skip_commit=()) -> Dict[str, torch.Tensor]:
+    """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank.
+
+    ``skip_estimate`` / ``skip_commit``: steps whose round had a non-finite gradient: the
+    estimate falls back to θ_t; the commit leaves θ, S and the LR schedule unchanged.
+    """
     tr = _Trainer(model, make_optimizer, make_scheduler, clip)
 
     def mb(t, lo, hi):  # micro-batches lo..hi-1 of step t, all ranks
@@ -81,16 +86,18 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
             theta = tr.params()
             g_first = _mean_grad(tr.model, est, mb(t, 0, h))  # at θ̃_t
             g_second = _mean_grad(tr.model, theta, mb(t, h, gas))  # at θ_t
-            est = tr.estimate(g_first)  # θ̃_{t+1}, S discarded
+            est = theta if t in skip_estimate else tr.estimate(g_first)  # θ̃_{t+1}, S discarded
             if estimate_log is not None:
                 estimate_log.append(est)
-            tr.commit({n: (g_first[n] + g_second[n]) / 2 for n in g_first})  # pooled: equal counts per half
+            if t not in skip_commit:
+                tr.commit({n: (g_first[n] + g_second[n]) / 2 for n in g_first})  # pooled: equal counts per half
         return tr.params()
     if mode == "dpu":
         history = [tr.params()]  # θ_0, θ_1, ...
         for t in range(steps):
             at = history[max(t - 1, 0)]  # phase 0 and 1 at θ_0; phase k ≥ 1 at θ_{k-1}
-            tr.commit(_mean_grad(tr.model, at, mb(t, 0, gas)))
+            if t not in skip_commit:
+                tr.commit(_mean_grad(tr.model, at, mb(t, 0, gas)))
             history.append(tr.params())
         return tr.params()
     raise ValueError(mode)

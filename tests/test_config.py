@@ -102,3 +102,14 @@ def test_incompatible_deepspeed_settings(init_errors, i):
     assert msg.startswith("ValueError"), msg
     for part in INIT_CASES[i][2]:
         assert part in msg, msg
+
+
+@pytest.mark.parametrize("blocks", [
+    [{"enabled": True}, None],  # ACCO on one rank only
+    [{"enabled": True, "mode": "acco"}, {"enabled": True, "mode": "dpu"}],
+    [{"enabled": True, "accumulation": "fixed"}, {"enabled": True, "accumulation": "dynamic"}],
+], ids=["enabled-on-one-rank", "modes-differ", "accumulation-differs"])
+def test_ranks_disagreeing_is_refused_at_initialisation(blocks):
+    errors = run_ranks(workers.mismatched_init, per_rank_acco=blocks, timeout=120)
+    for msg in errors:
+        assert "differs between ranks" in msg and "rank 0" in msg and "rank 1" in msg and "fix" in msg, msg

@@ -32,6 +32,9 @@ def train(case: dict, use_ds_acco: bool = True):
     n = case.get("gas", 4) * case["steps"]
     for i in range(n):
         x, y = batch(rank, i)
+        if [rank, i] in [list(p) for p in case.get("nan_at", ())]:
+            x = x.clone()
+            x[0, 0] = float("nan")  # a non-finite gradient on one rank
         loss = engine(x, y)
         engine.backward(loss)
         boundaries.append(engine.is_gradient_accumulation_boundary())
@@ -48,7 +51,7 @@ def train(case: dict, use_ds_acco: bool = True):
         steps = engine.global_steps
     if lane_log is not None:
         lane_log.release_all()
-    out = {"losses": losses, "lane_log": lane_log.events if lane_log else None,
+    out = {"skipped_steps": engine.skipped_steps, "losses": losses, "lane_log": lane_log.events if lane_log else None,
            "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
            "probes": probes, "optimizer": type(engine.optimizer).__name__}
     engine.destroy()
@@ -324,3 +327,17 @@ def checkpoint_load_latest(case, save_dir):
     out = {"path": path, "global_steps": engine.global_steps, "theta": theta}
     engine.destroy()
     return out
+
+
+def mismatched_init(per_rank_acco):
+    """Each rank gets its own acco block; return the error text (or 'NO ERROR')."""
+    import os
+    rank = int(os.environ["RANK"])
+    model = TinyNet()
+    try:
+        engine, *_ = ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model),
+                                        config=ds_config(4, per_rank_acco[rank]))
+        engine.destroy()
+        return "NO ERROR"
+    except ValueError as exc:
+        return str(exc)

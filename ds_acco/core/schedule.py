@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ import torch
 from ..comm import collectives
 from ..comm.lane import CommLane, RoundHandle
 from .shard_optimizer import ShardOptimizer, global_norm_sq
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A round's global mean gradient had an inf or NaN and ``nonfinite`` is 'raise'."""
 
 
 class RoundKind(str, enum.Enum):
@@ -81,6 +86,7 @@ class RoundResult:
     finished_at: float = 0.0
     wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
     collected_at: float = 0.0
+    skipped: bool = False  # non-finite mean gradient: no update (the estimate fell back to θ)
 
     @property
     def total(self) -> Tally:
@@ -155,6 +161,8 @@ class AccoSchedule:
         grad_scale: the factor each micro-batch gradient carries in G (DeepSpeed scales the loss
             by 1/A); a round divides the summed gradient by ``global weight * grad_scale``.
         clip_grad: clip the global mean gradient of each round to this norm (0: off).
+        nonfinite: 'skip' a round whose global mean gradient is not finite (no update; the
+            estimate falls back to θ) or 'raise' :class:`NonFiniteGradientError`.
         track_drift: measure the estimate drift in commit rounds (keeps the fp32 estimate shard
             from the estimate round to the commit round).
         report: called on the compute lane at each launch; returns a few floats that travel
@@ -169,6 +177,7 @@ class AccoSchedule:
                  rank: int, world: int, mode: str, phases, grad_scale: float = 1.0, clip_grad: float = 0.0,
                  reduce_scatter: bool = False, track_drift: bool = False,
                  report: Optional[Callable[[], Sequence[float]]] = None, history: int = 4096,
+                 nonfinite: str = "skip",
                  on_commit: Optional[Callable[[RoundResult], None]] = None):
         if mode not in ("acco", "dpu"):
             raise ValueError(f"mode must be 'acco' or 'dpu', got {mode!r}")
@@ -182,6 +191,9 @@ class AccoSchedule:
         self.clip_grad = clip_grad
         self.reduce_scatter = reduce_scatter
         self.track_drift = track_drift and mode == "acco"
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.report = report
         self.on_commit = on_commit
         self.phase = PhaseKind.BOOTSTRAP
@@ -433,7 +445,13 @@ class AccoSchedule:
             summed = collectives.reduce_to_shard(g.comm, self.rank, self.world, self.group, self.reduce_scatter)
             grads.append(summed.to(torch.float32).div_(denom) if summed.dtype != torch.float32 else summed / denom)
         norm_sq = collectives.sum_scalars(global_norm_sq(grads), self.group)
-        grad_norm = float(norm_sq.sqrt())
+        grad_norm = float(norm_sq.sqrt())  # the same on every rank: so is the skip decision
+        if not math.isfinite(grad_norm):
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"round '{kind.value} {step}': the global mean gradient is not finite (norm {grad_norm}); "
+                    "set acco.nonfinite to 'skip' to skip such updates instead")
+            return self._skip(kind, step, local, per_rank, grad_norm, table, started)
         if self.clip_grad > 0:
             # DeepSpeed's rule: divide by max(1, (norm + 1e-6) / clip).
             factor = max(1.0, (grad_norm + 1e-6) / self.clip_grad)
@@ -457,6 +475,18 @@ class AccoSchedule:
         return RoundResult(kind, step, local, per_rank, grad_norm, drift, table[:, 2:], started,
                            time.perf_counter())
 
+    def _skip(self, kind, step, local, per_rank, grad_norm, table, started) -> RoundResult:
+        """No update this round: gather θ itself (the estimate falls back to θ_t, a commit keeps θ_t)."""
+        shards = [g.master.detach().to(torch.float32, copy=True) for g in self.groups]
+        if kind is RoundKind.ESTIMATE and self.track_drift:
+            self._estimate_shards = [s.clone() for s in shards]
+        if kind is RoundKind.COMMIT:
+            self._estimate_shards = None
+        for g, shard in zip(self.groups, shards):
+            collectives.gather_shards(shard.to(g.comm.dtype), g.comm, self.group)
+        return RoundResult(kind, step, local, per_rank, grad_norm, None, table[:, 2:], started,
+                           time.perf_counter(), skipped=True)
+
     def _drift(self, before: List[torch.Tensor], after: List[torch.Tensor]) -> float:
         sums = torch.zeros(2, dtype=torch.float64, device=after[0].device)
         for est, old, new in zip(self._estimate_shards, before, after):
@@ -473,13 +503,14 @@ def _result_to_dict(r: RoundResult) -> dict:
     return {"kind": r.kind.value, "step": r.step, "local": (r.local.micro_batches, r.local.weight),
             "per_rank": [(t.micro_batches, t.weight) for t in r.per_rank], "grad_norm": r.grad_norm,
             "drift": r.drift, "peer_report": r.peer_report, "started_at": r.started_at,
-            "finished_at": r.finished_at, "wait_s": r.wait_s, "collected_at": r.collected_at}
+            "finished_at": r.finished_at, "wait_s": r.wait_s, "collected_at": r.collected_at,
+            "skipped": r.skipped}
 
 
 def _result_from_dict(d: dict) -> RoundResult:
     return RoundResult(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
                        d["grad_norm"], d["drift"], d["peer_report"], d["started_at"], d["finished_at"], d["wait_s"],
-                       d["collected_at"])
+                       d["collected_at"], d.get("skipped", False))
 
 
 def _swap_(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 20) -> None:

@@ -132,9 +132,12 @@ class AccoEngine(DeepSpeedEngine):
         self.optimizer.step()  # ends the phase; a commit collected here calls _acco_on_commit
 
     def _acco_on_commit(self, result, record) -> None:
-        # Same bookkeeping as DeepSpeedEngine._take_model_step, once per committed step.
-        self._step_applied = True
-        if self.lr_scheduler is not None:
+        # Same bookkeeping as DeepSpeedEngine._take_model_step, once per committed step
+        # (a skipped step counts in skipped_steps and does not advance the scheduler, as in DeepSpeed).
+        self._step_applied = not result.skipped
+        if result.skipped:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
             try:
                 self.lr_scheduler.step(**(self._acco_lr_kwargs or {}))
             except TypeError:
@@ -224,6 +227,30 @@ class AccoEngine(DeepSpeedEngine):
         return out
 
 
+def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict) -> None:
+    """Refuse a run whose ranks disagree on the ACCO settings (e.g. enabled on one rank only):
+    they would issue different collectives and hang. One small collective at start-up."""
+    import json
+
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    if kwargs.get("dist_init_required") is False and not dist.is_initialized():
+        return
+    ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                             distributed_port=kwargs.get("distributed_port", 29500),
+                             dist_init_required=kwargs.get("dist_init_required"))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = json.dumps({"acco": acco.model_dump(), "gradient_accumulation_steps":
+                       (raw or {}).get("gradient_accumulation_steps")}, sort_keys=True)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if len(set(every)) > 1:
+        lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
+        raise ValueError(f"the \"acco\" block (or gradient_accumulation_steps) differs between ranks: {lines}; "
+                         "fix: give every rank the same DeepSpeed config")
+
+
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
     """Same parameters and return value as ``deepspeed.initialize``.
 
@@ -236,6 +263,7 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
                         "deepspeed.initialize")
     raw = load_ds_config(config if config is not None else config_params, args)
     acco = acco_config_of(raw)
+    _check_same_on_all_ranks(acco, raw, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
     from deepspeed.runtime.pipe.module import PipelineModule

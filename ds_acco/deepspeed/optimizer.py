@@ -81,7 +81,8 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             group=self.acco_group, rank=rank, world=world, mode=acco_config.mode, phases=phases,
             grad_scale=1.0 / gradient_accumulation_steps, clip_grad=self.clip_grad,
             reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
-            track_drift=acco_config.metrics.estimate_drift, report=self.metrics.report, on_commit=self._on_commit)
+            track_drift=acco_config.metrics.estimate_drift, report=self.metrics.report,
+            nonfinite=acco_config.nonfinite, on_commit=self._on_commit)
         self._engine_on_commit = on_commit
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
         if dist.get_rank() == 0:

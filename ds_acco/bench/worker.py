@@ -1,0 +1,340 @@
+"""One rank of an A/B run (launched by :mod:`ds_acco.bench.runner`, one process per rank).
+
+    python -m ds_acco.bench.worker SPEC.json
+
+Reads the run's spec (written by the runner), then on every rank:
+  1. **probe** (no training): compute-only time per micro-batch for this model and micro-batch,
+     and the collectives' time for this world size (all-reduce of the model, all-gather of the
+     model, a tiny all-reduce for latency, one AdamW step on a shard);
+  2. **variants** in the spec's order (e.g. stock, fixed, dynamic, dpu, repeated if asked),
+     each from the same seed, initial weights and data order: per micro-batch the loss and the
+     forward+backward time, per committed step its wall time, held-out loss on committed
+     weights, peak memory.
+Nothing in the training loop communicates beyond what DeepSpeed/ACCO do themselves: every
+rank keeps its own records and rank 0 gathers them after each variant into ``raw.json``.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = ("stock", "fixed", "dynamic", "dpu")
+
+
+# -- model ---------------------------------------------------------------------------------------
+class CausalLM(torch.nn.Module):
+    """A GPT-2 (transformers, random init, no dropout) whose forward takes ``[batch, seq+1]``
+    token rows and returns the mean next-token cross-entropy."""
+
+    def __init__(self, seq_len: int, n_embd: int, n_layer: int, n_head: int, vocab_size: int = 256):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+        self.lm = GPT2LMHeadModel(cfg)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=rows[:, :-1], use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+
+
+def param_groups(model: torch.nn.Module):
+    """Weight decay on matrices only."""
+    return [{"params": [p for p in model.parameters() if p.ndim >= 2]},
+            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def build_model(spec: dict) -> CausalLM:
+    torch.manual_seed(spec["seed"])  # same initial weights in every variant
+    m = spec["model"]
+    return CausalLM(spec["seq_len"], m["n_embd"], m["n_layer"], m["n_head"])
+
+
+# -- configs -------------------------------------------------------------------------------------
+def variant_config(base: dict, variant: str, spec: dict) -> dict:
+    """The DeepSpeed config of one variant: the base config, with or without an ``acco`` block."""
+    cfg = copy.deepcopy(base)
+    cfg.pop("acco", None)
+    cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
+    cfg["gradient_accumulation_steps"] = spec["gas"]
+    cfg.pop("train_batch_size", None)
+    cfg["steps_per_print"] = 10 ** 9
+    if variant == "stock":
+        return cfg
+    if variant == "fixed":
+        cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "fixed"}
+    elif variant == "dpu":
+        cfg["acco"] = {"enabled": True, "mode": "dpu", "accumulation": "fixed"}
+    elif variant == "dynamic":
+        lo = spec.get("dynamic_min") or max(1, spec["gas"] // 2)
+        hi = max(lo, spec.get("dynamic_max") or 256)
+        cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "dynamic",
+                       "dynamic": {"min_micro_batches": lo, "max_micro_batches": hi, "check_every": 1}}
+    else:
+        raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+    return cfg
+
+
+# -- memory --------------------------------------------------------------------------------------
+def _status_kb(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> Optional[int]:
+    """Reset the kernel's peak-RSS mark (Linux ``clear_refs`` 5) and return the current RSS in
+    bytes, the baseline of the next measurement."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    kb = _status_kb("VmRSS")
+    return None if kb is None else kb * 1024
+
+
+def peak_rss() -> Optional[int]:
+    kb = _status_kb("VmHWM")
+    return None if kb is None else kb * 1024
+
+
+# -- probe ---------------------------------------------------------------------------------------
+def _timed(fn, reps: int) -> List[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def probe(spec: dict, stream, rank: int, world: int) -> dict:
+    """Compute-only and communication-only timings on this setup (see the module docstring)."""
+    model = build_model(spec)
+    n_params = sum(p.numel() for p in model.parameters())
+    slow = spec.get("slow_factor", 1.0) if rank == spec.get("slow_rank", -1) else 1.0
+
+    def micro():
+        t0 = time.perf_counter()
+        model(next(stream)).backward()
+        _slow_down(slow, time.perf_counter() - t0)
+
+    dist.barrier()  # every rank computes at once: same contention as in training
+    _timed(micro, 2)
+    mb = _timed(micro, spec.get("probe_micro_batches", 6))
+    model.zero_grad(set_to_none=True)
+    dist.barrier()
+    padded = -(-n_params // world) * world
+    flat = torch.zeros(padded, dtype=torch.float32)
+    shard = torch.zeros(padded // world, dtype=torch.float32)
+    tiny = torch.zeros(8, dtype=torch.float32)
+    reps = spec.get("probe_comm_reps", 2)
+    _timed(lambda: dist.all_reduce(flat), 1)
+    ar = _timed(lambda: dist.all_reduce(flat), reps)
+    ag = _timed(lambda: dist.all_gather_into_tensor(flat, shard), reps)
+    lat = _timed(lambda: dist.all_reduce(tiny), 20)
+    half = flat[:padded // 2].clone()
+    ar_half = _timed(lambda: dist.all_reduce(half), reps)
+    p = torch.nn.Parameter(torch.zeros(padded // world))
+    p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    opt.step()
+    opt_s = _timed(opt.step, 3)
+    del flat, shard, half, p, opt, model
+    return {"n_params": n_params, "padded_params": padded, "micro_batch_s": statistics.median(mb),
+            "micro_batch_samples_s": mb, "all_reduce_s": statistics.median(ar), "all_reduce_half_s":
+            statistics.median(ar_half), "all_gather_s": statistics.median(ag), "latency_s": statistics.median(lat),
+            "opt_step_s": statistics.median(opt_s), "comm_bytes": padded * 4}
+
+
+def _slow_down(factor: float, elapsed: float) -> None:
+    """Heterogeneous runs: stretch this rank's micro-batch to ``factor`` x its compute time
+    (sleeping, so the slow rank does not also steal CPU from the fast ones)."""
+    if factor > 1.0:
+        time.sleep((factor - 1.0) * elapsed)
+
+
+# -- one variant ----------------------------------------------------------------------------------
+def heldout_loss(module: torch.nn.Module, batches) -> float:
+    was = module.training
+    module.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for rows in batches:
+            n = rows[:, 1:].numel()
+            total[0] += module(rows).double() * n
+            total[1] += n
+    dist.all_reduce(total)
+    module.train(was)
+    return (total[0] / total[1]).item()
+
+
+def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_rows, rank: int, world: int,
+                say) -> dict:
+    """Train one variant for ``spec['steps']`` committed steps; this rank's raw records."""
+    import ds_acco
+    from ds_acco.data import heldout_batches, micro_batches
+
+    cfg = variant_config(base_cfg, variant, spec)
+    gas, steps = spec["gas"], spec["steps"]
+    slow = spec.get("slow_factor", 1.0) if rank == spec.get("slow_rank", -1) else 1.0
+    baseline_rss = reset_peak_rss()
+    model = build_model(spec)
+    engine, _, _, _ = ds_acco.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    acco = getattr(engine.optimizer, "schedule", None) is not None
+    stream = micro_batches(train_rows, spec["micro_batch"], rank, world, spec["seed"])
+    evals = heldout_batches(heldout_rows, spec.get("eval_batch", 16), rank, world)[:spec.get("eval_batches", 4)]
+    dist.barrier()
+
+    mb_loss: List[float] = []  # per micro-batch, this rank
+    mb_compute: List[float] = []  # forward+backward seconds (stock: the boundary one includes the reduce)
+    mb_step: List[int] = []  # which committed step's data (fixed: i // gas; dynamic: commits so far)
+    commits: List[dict] = []  # per committed step: time since the previous one, drained?
+    heldout: List[dict] = []
+    state = {"seen": engine.global_steps, "t_last": time.perf_counter(), "train_s": 0.0}
+
+    def note_commits(now: float, drained: bool) -> None:
+        while state["seen"] < engine.global_steps:
+            dt = now - state["t_last"]
+            state["train_s"] += dt
+            commits.append({"step": state["seen"] + 1, "step_time_s": dt, "drained": drained,
+                            "train_s": state["train_s"], "mb_seen": len(mb_loss)})
+            state["seen"] += 1
+            state["t_last"] = now
+            if rank == 0:
+                say(f"[{variant}] step {state['seen']}/{steps}  {dt:.3f}s" + ("  (drained)" if drained else ""))
+
+    def evaluate() -> None:
+        with ds_acco.committed_weights(engine):
+            note_commits(time.perf_counter(), drained=True)
+            loss = heldout_loss(engine.module, evals)
+        heldout.append({"step": engine.global_steps, "loss": loss, "train_s": state["train_s"]})
+        if rank == 0:
+            say(f"[{variant}] held-out loss {loss:.4f} on committed weights after step {engine.global_steps}")
+        state["t_last"] = time.perf_counter()
+
+    eval_every = spec.get("eval_every", 0)
+    next_eval = eval_every
+    dynamic = variant == "dynamic"
+    cap = steps * gas * max(4, spec.get("dynamic_max") or 256)
+    i = 0
+    t_start = time.perf_counter()
+    while (engine.global_steps < steps) if dynamic else (i < steps * gas):
+        if i >= cap:
+            raise RuntimeError(f"{variant}: {i} micro-batches without reaching {steps} committed steps")
+        rows = next(stream)
+        t0 = time.perf_counter()
+        loss = engine(rows)
+        engine.backward(loss)
+        elapsed = time.perf_counter() - t0
+        _slow_down(slow, elapsed)
+        mb_compute.append(time.perf_counter() - t0)
+        mb_loss.append(float(loss.detach()))
+        mb_step.append(engine.global_steps if dynamic else i // gas)
+        engine.step()
+        i += 1
+        note_commits(time.perf_counter(), drained=False)
+        if eval_every and engine.global_steps >= next_eval and engine.global_steps < steps:
+            evaluate()
+            next_eval = (engine.global_steps // eval_every + 1) * eval_every
+    evaluate()  # drains: the last steps commit here
+    wall = time.perf_counter() - t_start
+    metrics = list(engine.acco_metrics_history) if acco else []
+    peak = peak_rss()
+    engine.destroy()
+    del engine, model
+    gc.collect()
+    return {"variant": variant, "acco": acco, "committed": len(commits), "micro_batches": i,
+            "mb_loss": mb_loss, "mb_compute_s": mb_compute, "mb_step": mb_step, "commits": commits,
+            "heldout": heldout, "acco_metrics": [_plain(m) for m in metrics], "wall_s": wall,
+            "peak_rss_delta": None if peak is None or baseline_rss is None else peak - baseline_rss,
+            "baseline_rss": baseline_rss, "slow_factor": slow}
+
+
+def _plain(record: Dict) -> Dict:
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k] = None
+        elif isinstance(v, (int, float, str, bool, list)) or v is None:
+            out[k] = v
+    return out
+
+
+# -- main ----------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    torch.set_num_threads(spec.get("threads", 1))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    from ds_acco.data import build_splits, micro_batches
+
+    ds_logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    with open(spec["base_config"]) as f:
+        base_cfg = json.load(f)
+    train_rows, heldout_rows = build_splits(spec.get("data", "embedded"), seq_len=spec["seq_len"], holdout=0.02,
+                                            seed=0)
+    probe_stream = micro_batches(train_rows, spec["micro_batch"], rank, world, spec["seed"] + 1)
+    if rank == 0:
+        say(f"probe: compute per micro-batch and collectives at world size {world}")
+    pr = probe(spec, probe_stream, rank, world)
+    if rank == 0:
+        say(f"probe: {pr['n_params']:,} parameters, {pr['micro_batch_s'] * 1e3:.0f} ms per micro-batch, "
+            f"all-reduce {pr['all_reduce_s'] * 1e3:.0f} ms, all-gather {pr['all_gather_s'] * 1e3:.0f} ms, "
+            f"latency {pr['latency_s'] * 1e6:.0f} us")
+    probes = [None] * world
+    dist.all_gather_object(probes, pr)
+    runs = []
+    order = [v for _ in range(spec.get("repeat", 1)) for v in spec["variants"]]
+    for k, variant in enumerate(order):
+        if rank == 0:
+            say(f"== variant {k + 1}/{len(order)}: {variant}")
+        rec = run_variant(variant, spec, base_cfg, train_rows, heldout_rows, rank, world, say)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, rec)
+        if rank == 0:
+            runs.append({"variant": variant, "repeat": k // len(spec["variants"]), "ranks": per_rank})
+            with open(spec["raw_out"] + ".part", "w") as f:  # survives a later failure
+                json.dump({"spec": spec, "probe": probes, "runs": runs}, f)
+        dist.barrier()
+    if rank == 0:
+        with open(spec["raw_out"], "w") as f:
+            json.dump({"spec": spec, "probe": probes, "runs": runs}, f)
+        say(f"wrote {spec['raw_out']}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

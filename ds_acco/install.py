@@ -1,0 +1,206 @@
+"""``ds_acco.install()``: make code that calls ``deepspeed.initialize`` itself (HF Trainer,
+Accelerate, Megatron-style scripts) honour the ``"acco"`` block of its DeepSpeed config.
+
+    import ds_acco
+    ds_acco.install()          # once, before the trainer builds its engine
+    trainer = Trainer(..., args=TrainingArguments(..., deepspeed="ds_configs/acco.json"))
+
+Exact scope (everything this module changes, and only while installed):
+
+1. ``deepspeed.initialize`` (the module attribute) becomes a router. A call whose config (a dict,
+   a JSON path, or ``args.deepspeed_config``, resolved like DeepSpeed does) holds an ``"acco"``
+   block with ``"enabled": true`` goes to :func:`ds_acco.deepspeed.engine.initialize`. Every other
+   call -- no config, an unreadable config, no block, ``"enabled": false`` -- goes to the original
+   function with the same arguments, unchanged. An invalid ``"acco"`` block raises ds_acco's
+   ``ValueError`` naming the key. Callers that look the name up at call time are covered:
+   Accelerate (``_prepare_deepspeed`` does ``import deepspeed; deepspeed.initialize(...)``, checked
+   with accelerate 1.15) and through it HF ``Trainer`` (transformers 5.x never calls DeepSpeed's
+   ``initialize`` directly). A module that did ``from deepspeed import initialize`` *before*
+   ``install()`` keeps the original: call ``install()`` first, or use ``ds_acco.initialize``.
+2. Once an ACCO engine exists (or at ``install()`` when these modules are already imported),
+   three framework methods get a branch that is taken only for an ACCO engine; for any other
+   engine they run the original code:
+
+   * ``accelerate.utils.deepspeed.DeepSpeedEngineWrapper.backward``: Accelerate calls
+     ``engine.set_gradient_accumulation_boundary(sync_gradients)``, ``engine.backward(loss,
+     scale_wrt_gas=False)`` on every micro-batch and ``engine.step()`` only on its sync
+     micro-batches. ACCO ends its own phases and counts micro-batches in ``engine.step()``, so for
+     an ACCO engine this runs ``engine.backward`` then ``engine.step()`` on every micro-batch and
+     skips the boundary call. A loss the caller already scaled by 1/A (``scale_wrt_gas=False``, as
+     HF Trainer does) is multiplied back by A, and DeepSpeed's own 1/A scaling is applied: the
+     same gradient (exact when A is a power of two).
+   * ``transformers.Trainer.evaluation_loop`` and ``transformers.Trainer.save_model`` run inside
+     :func:`ds_acco.committed_weights`: at the Trainer's step boundaries ACCO's live weights are the
+     estimate θ̃, which must be neither evaluated nor exported.
+
+The router itself calls the original ``deepspeed.initialize`` (``ds_acco.initialize`` does), so
+a thread-local guard sends nested calls straight to the original. ``install()`` is idempotent,
+``uninstall()`` restores every original that is still ours (a name someone re-patched after us
+is left alone), and both hold one lock.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any, Callable, List, Optional, Tuple
+
+from .config import ACCO_KEY, acco_config_of, load_ds_config
+
+_LOCK = threading.RLock()
+_ROUTING = threading.local()  # .active: this thread is inside the router (nested calls -> original)
+_patches: List[Tuple[Any, str, Any, Any]] = []  # (owner, attribute, original, ours), in patch order
+_original_initialize: Optional[Callable] = None
+_MISSING = object()  # the patched class only inherited the attribute
+
+
+def installed() -> bool:
+    """True between :func:`install` and :func:`uninstall`."""
+    return _original_initialize is not None
+
+
+def install() -> None:
+    """Route later ``deepspeed.initialize`` calls with an enabled ``"acco"`` block to ds_acco, and
+    adapt Accelerate / HF Trainer to ACCO engines (see the module docstring for the exact scope).
+    Idempotent and thread-safe; undone by :func:`uninstall`."""
+    global _original_initialize
+    import deepspeed
+
+    with _LOCK:
+        if _original_initialize is None:
+            original = deepspeed.initialize
+            _original_initialize = original
+            _patch(deepspeed, "initialize", _make_router(original))
+        _patch_frameworks()
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: every patched name that still holds our function gets its original
+    back. Engines built meanwhile keep working. Idempotent and thread-safe."""
+    global _original_initialize
+    with _LOCK:
+        for owner, name, original, ours in reversed(_patches):
+            if _current(owner, name) is not ours:
+                continue  # someone patched it again after us: theirs stays
+            if original is _MISSING:
+                delattr(owner, name)  # it was inherited; the class dict gets back to what it was
+            else:
+                setattr(owner, name, original)
+        _patches.clear()
+        _original_initialize = None
+
+
+# -- the router ------------------------------------------------------------------------------------
+def _make_router(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        if getattr(_ROUTING, "active", False) or not _acco_enabled(signature, args, kwargs):
+            return original(*args, **kwargs)
+        from .deepspeed.engine import initialize as acco_initialize  # imports deepspeed's engine
+
+        bound = signature.bind(*args, **kwargs)  # ds_acco.initialize takes keywords after `model`
+        _ROUTING.active = True
+        try:
+            out = acco_initialize(**bound.arguments)
+        finally:
+            _ROUTING.active = False
+        with _LOCK:
+            if installed():
+                _patch_frameworks()  # the caller's framework is imported by now
+        return out
+
+    initialize.__ds_acco_router__ = True
+    return initialize
+
+
+def _acco_enabled(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
+    """Whether a ``deepspeed.initialize`` call asks for ACCO. Anything this cannot read is left to
+    DeepSpeed, which reports it in its own words; an invalid ``"acco"`` block raises here."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    a = bound.arguments
+    config = a.get("config") if a.get("config") is not None else a.get("config_params")
+    try:
+        raw = load_ds_config(config, a.get("args"))
+    except (OSError, ValueError, TypeError):
+        return False
+    if not isinstance(raw, Mapping) or ACCO_KEY not in raw:
+        return False
+    return acco_config_of(raw).enabled
+
+
+# -- framework adapters ----------------------------------------------------------------------------
+def _is_acco_engine(engine) -> bool:
+    mod = sys.modules.get("ds_acco.deepspeed.optimizer")  # no ACCO engine can exist before its import
+    return mod is not None and isinstance(getattr(engine, "optimizer", None), mod.AccoZeroOptimizer)
+
+
+def _patch_frameworks() -> None:
+    """Adapt Accelerate's engine wrapper and HF Trainer, if imported (idempotent)."""
+    acc = sys.modules.get("accelerate.utils.deepspeed")
+    wrapper = getattr(acc, "DeepSpeedEngineWrapper", None)
+    if wrapper is not None and not _is_patched(wrapper, "backward"):
+        _patch(wrapper, "backward", _accelerate_backward(wrapper.backward))
+    trainer_mod = sys.modules.get("transformers.trainer")
+    trainer = getattr(trainer_mod, "Trainer", None)
+    if trainer is not None:
+        for name in ("evaluation_loop", "save_model"):
+            if hasattr(trainer, name) and not _is_patched(trainer, name):
+                _patch(trainer, name, _on_committed_weights(getattr(trainer, name)))
+
+
+def _accelerate_backward(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def backward(self, loss, sync_gradients=True, **kwargs):
+        engine = self.engine
+        if not _is_acco_engine(engine):
+            return original(self, loss, sync_gradients=sync_gradients, **kwargs)
+        # ACCO decides its own phase ends from the micro-batches counted in engine.step();
+        # Accelerate's sync_gradients (one optimizer step = A micro-batches) is not needed.
+        if kwargs.pop("scale_wrt_gas", True) is False:
+            loss = loss * engine.gradient_accumulation_steps()
+        engine.backward(loss, **kwargs)
+        engine.step()
+
+    return backward
+
+
+def _on_committed_weights(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        engine = getattr(self, "model_wrapped", None)
+        if not _is_acco_engine(engine):
+            return original(self, *args, **kwargs)
+        from . import committed_weights
+
+        with committed_weights(engine):  # collective: the Trainer calls this on every rank
+            return original(self, *args, **kwargs)
+
+    return method
+
+
+# -- bookkeeping -----------------------------------------------------------------------------------
+def _current(owner, name: str):
+    # Class attributes: the raw function from the class dict, not a bound/unbound wrapper.
+    return vars(owner).get(name) if inspect.isclass(owner) else getattr(owner, name, None)
+
+
+def _is_patched(owner, name: str) -> bool:
+    current = _current(owner, name)
+    return any(o is owner and n == name and ours is current for o, n, _, ours in _patches)
+
+
+def _patch(owner, name: str, ours) -> None:
+    had = name in vars(owner) if inspect.isclass(owner) else hasattr(owner, name)
+    original = _current(owner, name) if had else _MISSING
+    setattr(owner, name, ours)
+    _patches.append((owner, name, original, ours))
+
+
+__all__ = ["install", "installed", "uninstall"]
