@@ -32,8 +32,11 @@ def _entry(rank, world, port, fn, kwargs, out):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int = 2, timeout: float = 300.0, **kwargs):
-    """Run ``fn(**kwargs)`` on ``world`` ranks; return the list of their return values."""
+def run_ranks(fn, world: int = 2, timeout: float = 300.0, allow_missing: bool = False, **kwargs):
+    """Run ``fn(**kwargs)`` on ``world`` ranks; return the list of their return values.
+
+    With ``allow_missing`` a rank that died without a result gives None instead of an error.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,6 +53,9 @@ def run_ranks(fn, world: int = 2, timeout: float = 300.0, **kwargs):
         results, errors = [], []
         for r, out in enumerate(outs):
             if not os.path.exists(out):
+                if allow_missing:
+                    results.append(None)
+                    continue
                 errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{', timed out' if procs[r] in hung else ''})")
                 continue
             data = torch.load(out, weights_only=False)

@@ -341,3 +341,23 @@ def mismatched_init(per_rank_acco):
         return "NO ERROR"
     except ValueError as exc:
         return str(exc)
+
+
+def rank_dies(case, die_rank, die_at):
+    """``die_rank`` exits abruptly after micro-batch ``die_at``; the others report how they ended."""
+    import os
+    import time
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    t0 = None
+    try:
+        for i in range(10**6):
+            if rank == die_rank and i == die_at:
+                os._exit(7)
+            if i == die_at:
+                t0 = time.monotonic()
+            _feed(engine, rank, i, i + 1)
+        return {"error": None}
+    except Exception as exc:  # the survivor's view
+        return {"error": f"{type(exc).__name__}: {exc}",
+                "seconds_after_death": time.monotonic() - t0 if t0 else None}

@@ -149,8 +149,10 @@ def probe(spec: dict, stream, rank: int, world: int) -> dict:
     tiny = torch.zeros(8, dtype=torch.float32)
     reps = spec.get("probe_comm_reps", 2)
     _timed(lambda: dist.all_reduce(flat), 1)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     ar = _timed(lambda: dist.all_reduce(flat), reps)
     ag = _timed(lambda: dist.all_gather_into_tensor(flat, shard), reps)
+    cpu_frac = (time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
     lat = _timed(lambda: dist.all_reduce(tiny), 20)
     half = flat[:padded // 2].clone()
     ar_half = _timed(lambda: dist.all_reduce(half), reps)
@@ -163,7 +165,7 @@ def probe(spec: dict, stream, rank: int, world: int) -> dict:
     return {"n_params": n_params, "padded_params": padded, "micro_batch_s": statistics.median(mb),
             "micro_batch_samples_s": mb, "all_reduce_s": statistics.median(ar), "all_reduce_half_s":
             statistics.median(ar_half), "all_gather_s": statistics.median(ag), "latency_s": statistics.median(lat),
-            "opt_step_s": statistics.median(opt_s), "comm_bytes": padded * 4}
+            "opt_step_s": statistics.median(opt_s), "comm_bytes": padded * 4, "comm_cpu_fraction": cpu_frac}
 
 
 def _slow_down(factor: float, elapsed: float) -> None:

@@ -1,4 +1,4 @@
 """Communication: collectives as plain functions, and the lane that runs rounds beside compute."""
-from .lane import CommLane, CommTimeoutError, RoundHandle
+from .lane import CommLane, CommRoundError, CommTimeoutError, RoundHandle
 
-__all__ = ["CommLane", "CommTimeoutError", "RoundHandle"]
+__all__ = ["CommLane", "CommRoundError", "CommTimeoutError", "RoundHandle"]

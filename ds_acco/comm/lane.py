@@ -23,6 +23,10 @@ class CommTimeoutError(RuntimeError):
     """A communication round did not finish within ``acco.comm_timeout_s``."""
 
 
+class CommRoundError(RuntimeError):
+    """A communication round failed on the lane (a collective raised, e.g. a peer died)."""
+
+
 class RoundHandle:
     """A submitted round: poll with :meth:`done`, collect with :meth:`CommLane.wait`."""
 
@@ -100,6 +104,9 @@ class CommLane:
             raise CommTimeoutError(
                 f"communication round '{handle.name}' did not finish within {self.timeout_s:g} s "
                 "(acco.comm_timeout_s): a peer rank may have died or the network is stalled") from None
+        except (RuntimeError, OSError, TimeoutError) as exc:  # collectives report peer failures so
+            raise CommRoundError(f"communication round '{handle.name}' failed: {exc} -- a peer rank may have "
+                                 "died or the network failed; this rank stops here") from exc
 
     def close(self) -> None:
         """Stop the worker thread (after the round in flight, if any)."""

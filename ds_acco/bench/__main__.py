@@ -1,0 +1,151 @@
+"""``python -m ds_acco.bench {cluster-test,ab,advise,summarize}`` (see ``--help`` of each)."""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shlex
+import sys
+
+from . import advisor, cluster, report, runner
+
+
+def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> None:
+    p.add_argument("--world", type=int, default=2, help="ranks (one per emulated node)")
+    p.add_argument("--rate", default=None,
+                   help="link rate of every node ('1gbit', '100mbit'; default unshaped) or one per node, "
+                        "comma-separated (heterogeneous links)")
+    p.add_argument("--network", choices=("auto", "emulated", "loopback"), default="auto",
+                   help="auto: the emulated cluster when root, loopback otherwise")
+    p.add_argument("--gas", type=int, default=16, help="gradient_accumulation_steps (same for every variant)")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--n-embd", type=int, default=384)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=6)
+    p.add_argument("--config", default=runner.DEFAULT_CONFIG, help="base DeepSpeed config (its acco block is "
+                   "replaced per variant)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_results", help="output folder")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before every rank is killed")
+    p.add_argument("--prefix", default="accob", help="namespace name prefix (distinct per concurrent run)")
+    p.add_argument("--subnet", type=int, default=0, help="10.250.<subnet>.0/24 inside the namespaces")
+    p.add_argument("--slow-rank", type=int, default=-1, help="rank whose compute is slowed (heterogeneous run)")
+    p.add_argument("--slow-factor", type=float, default=1.0, help="that rank computes this many times slower")
+    if not probe_only:
+        p.add_argument("--steps", type=int, default=6, help="committed steps per variant, warm-up included")
+        p.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings")
+        p.add_argument("--variants", default="stock,fixed,dynamic,dpu", help="comma-separated, run in this order")
+        p.add_argument("--repeat", type=int, default=1, help="run the variant list this many times (alternating)")
+        p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end)")
+        p.add_argument("--eval-batches", type=int, default=4, help="held-out batches of 16 sequences per rank")
+        p.add_argument("--dynamic-min", type=int, default=None, help="dynamic: min micro-batches per phase "
+                       "(default gas/2)")
+        p.add_argument("--dynamic-max", type=int, default=None, help="dynamic: max micro-batches per phase "
+                       "(default 256)")
+        p.add_argument("--target-loss", type=float, default=None, help="time-to-target threshold (default: "
+                       "stock's final held-out loss + 1%%)")
+        p.add_argument("--label", default=None, help="file name stem of this run's outputs")
+
+
+def _spec(a, **over) -> runner.ABSpec:
+    kw = dict(world=a.world, rate=a.rate, network=a.network, gas=a.gas, micro_batch=a.micro_batch,
+              seq_len=a.seq_len, n_embd=a.n_embd, n_layer=a.n_layer, n_head=a.n_head, base_config=a.config,
+              seed=a.seed, timeout_s=a.timeout, prefix=a.prefix, subnet=a.subnet, slow_rank=a.slow_rank,
+              slow_factor=a.slow_factor)
+    for k in ("steps", "warmup", "repeat", "eval_every", "eval_batches", "dynamic_min", "dynamic_max",
+              "target_loss", "label"):
+        if hasattr(a, k):
+            kw[k] = getattr(a, k)
+    if hasattr(a, "variants"):
+        kw["variants"] = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    kw.update(over)
+    return runner.ABSpec(**kw)
+
+
+def cmd_cluster_test(a) -> int:
+    cluster.require_root()
+    rates = a.rate.split(",") if a.rate and "," in a.rate else a.rate
+    with cluster.Cluster(a.nodes, rates, prefix=a.prefix, subnet=a.subnet) as cl:
+        print(f"cluster: {cl.describe()}", flush=True)
+        argv = [sys.executable, "-m", "ds_acco.bench.nettest", "--mbytes", str(a.mbytes)]
+        envs = [{**cl.rank_env(r, 29400), "PYTHONPATH": runner.REPO, "OMP_NUM_THREADS": "1"}
+                for r in range(a.nodes)]
+        outs = cluster.launch([cl.wrap(r, argv) for r in range(a.nodes)], envs, timeout_s=a.timeout)
+    results = [json.loads(next(line for line in o.splitlines() if line.startswith("{"))) for o in outs]
+    problems = [f"rank {r['rank']}: default route present ({r['default_route']})" for r in results
+                if r["default_route"]] + [f"rank {r['rank']}: wrong all-reduce result" for r in results
+                                          if not r["all_reduce_ok"]]
+    print(json.dumps({"nodes": a.nodes, "rate": a.rate or "unshaped", "results": results, "problems": problems}))
+    return 1 if problems else 0
+
+
+def cmd_ab(a) -> int:
+    spec = _spec(a)
+    summary = runner.run_ab(spec, a.out, command="python -m ds_acco.bench " + shlex.join(sys.argv[1:]))
+    return 0 if summary["variants"] else 1
+
+
+def cmd_advise(a) -> int:
+    spec = _spec(a, steps=1, variants=(), label=a.label or f"probe-{_spec(a).name()}")
+    raw = runner.launch_workers(spec, os.path.join(a.out, f"{spec.name()}.raw.json"))
+    tok = a.micro_batch * a.seq_len
+    probe = advisor.Probe.from_measured(raw["probe"], tokens_per_micro_batch=tok, cores=os.cpu_count(),
+                                        ranks_per_machine=a.world if raw["network"] != "real" else 1)
+    adv = advisor.advise(probe, a.gas, max_gas=a.max_gas)
+    print(advisor.explain(adv, probe))
+    with open(os.path.join(a.out, f"{spec.name()}.advice.json"), "w") as f:
+        json.dump({"probe": probe.__dict__, "advice": adv.as_dict()}, f, indent=1)
+    return 0
+
+
+def cmd_summarize(a) -> int:
+    paths = [p for pat in a.paths for p in sorted(glob.glob(pat))]
+    summaries = report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith(".raw.json")])
+    if not summaries:
+        print("no summaries found", file=sys.stderr)
+        return 1
+    for p in report.write_matrix(summaries, a.out):
+        print(f"wrote {p}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_acco.bench", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("cluster-test", help="root: build an emulated cluster, check isolation and bandwidth, "
+                       "tear it down")
+    c.add_argument("--nodes", type=int, default=2)
+    c.add_argument("--rate", default="100mbit")
+    c.add_argument("--mbytes", type=float, default=8.0, help="all-reduce size (MB) used to measure bandwidth")
+    c.add_argument("--prefix", default="accot")
+    c.add_argument("--subnet", type=int, default=1)
+    c.add_argument("--timeout", type=float, default=120.0)
+    c.set_defaults(fn=cmd_cluster_test)
+    ab = sub.add_parser("ab", help="stock ZeRO-1 vs ACCO fixed vs ACCO dynamic vs DPU, with a report")
+    _add_run_args(ab)
+    ab.set_defaults(fn=cmd_ab)
+    ad = sub.add_parser("advise", help="probe this setup, predict step times, recommend a mode and "
+                        "gradient_accumulation_steps")
+    _add_run_args(ad, probe_only=True)
+    ad.add_argument("--max-gas", type=int, default=64, help="largest gradient_accumulation_steps to recommend")
+    ad.add_argument("--label", default=None)
+    ad.set_defaults(fn=cmd_advise)
+    sm = sub.add_parser("summarize", help="combine A/B summaries into one Markdown file and an advisor plot")
+    sm.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
+    sm.add_argument("--out", default="bench_results")
+    sm.set_defaults(fn=cmd_summarize)
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a)
+    except cluster.NeedsRoot as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except cluster.LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

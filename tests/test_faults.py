@@ -1,0 +1,21 @@
+"""A rank that dies mid-training makes the others stop with a clear error, within the timeout."""
+import time
+
+import pytest
+
+from dist import run_ranks
+import workers
+
+
+@pytest.mark.parametrize("mode", ["acco"])  # dpu uses the same lane and error path
+def test_peer_death_is_reported_within_the_timeout(mode):
+    case = {"optimizer": "sgd", "gas": 4, "acco": {"enabled": True, "mode": mode, "comm_timeout_s": 20}}
+    t0 = time.monotonic()
+    results = run_ranks(workers.rank_dies, case=case, die_rank=1, die_at=9, allow_missing=True, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert results[1] is None  # the dead rank
+    survivor = results[0]
+    assert survivor["error"] is not None, "the surviving rank trained on as if nothing happened"
+    assert "communication round" in survivor["error"] and "peer rank may have died" in survivor["error"]
+    assert survivor["seconds_after_death"] < 20 + 15  # bounded by acco.comm_timeout_s (plus slack)
+    assert elapsed < 170
