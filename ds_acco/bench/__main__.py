@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import shlex
+import signal
 import sys
 
 from . import advisor, cluster, report, runner
@@ -111,6 +112,10 @@ def cmd_summarize(a) -> int:
     return 0
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_acco.bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -137,6 +142,10 @@ def main(argv=None) -> int:
     sm.add_argument("--out", default="bench_results")
     sm.set_defaults(fn=cmd_summarize)
     a = p.parse_args(argv)
+    # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
+    # (ranks killed, namespaces deleted) instead of dying or being ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return a.fn(a)
     except cluster.NeedsRoot as exc:

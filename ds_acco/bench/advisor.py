@@ -147,7 +147,7 @@ def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.0
                       f"one round ({tr:.3f}s) fits under half a step's compute ({tc / 2:.3f}s at "
                       f"gradient_accumulation_steps={gas}): ACCO fixed hides both rounds, predicted "
                       f"{stock.step_s / fixed.step_s:.2f}x stock")
-    need = 2 * math.ceil(tr / t / 2 - 1e-9) if t > 0 else gas  # smallest A with A*t/2 >= T_r, A even
+    need = 2 * math.ceil(tr / t - 1e-9) if t > 0 else gas  # smallest even A with A*t/2 >= T_r
     need = max(need + need % 2, 2)
     if need <= max_gas:
         alt = predict(probe, need)

@@ -238,9 +238,10 @@ class Cluster:
     def describe(self) -> str:
         rates = [format_rate(n.rate) for n in self.nodes]
         same = len(set(rates)) == 1
+        shaping = "unshaped" if all(n.rate is None for n in self.nodes) else (
+            f"{'all ' + rates[0] if same else ', '.join(rates)} (tc tbf, both directions)")
         return (f"{len(self.nodes)} namespaces ({self.prefix}-n0..n{len(self.nodes) - 1}) behind a bridge in "
-                f"{self.switch}, links {'all ' + rates[0] if same else ', '.join(rates)} (tc tbf, both "
-                "directions), no added latency")
+                f"{self.switch}, links {shaping}, no added latency")
 
 
 def loopback_env(rank: int, world: int, port: int) -> Dict[str, str]:

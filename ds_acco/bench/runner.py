@@ -96,7 +96,10 @@ def launch_workers(spec: ABSpec, raw_out: str, out=None) -> dict:
     with open(spec_path, "w") as f:
         json.dump(spec.worker_spec(raw_out), f, indent=1)
     argv = [sys.executable, "-m", "ds_acco.bench.worker", spec_path]
-    common = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep +
+    # A fixed mmap threshold: large tensors are always mmapped and returned on free, so the
+    # peak-RSS delta of a variant counts its own allocations (glibc's sliding threshold would
+    # let a later variant reuse an earlier one's freed heap and look smaller).
+    common = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": REPO + os.pathsep +
               os.environ.get("PYTHONPATH", ""), "TORCH_EXTENSIONS_DIR": os.environ.get(
                   "TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))}
     network = spec.resolved_network()

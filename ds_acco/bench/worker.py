@@ -317,6 +317,14 @@ def main(argv=None) -> None:
             f"latency {pr['latency_s'] * 1e6:.0f} us")
     probes = [None] * world
     dist.all_gather_object(probes, pr)
+    if spec.get("memory_warmup", True) and spec["variants"]:
+        # One untimed step of stock ZeRO-1 first: one-off allocations (gloo buffers, DeepSpeed's ops,
+        # allocator arenas) then do not land in the first measured variant's peak memory.
+        if rank == 0:
+            say("warm-up: one untimed stock step (keeps one-off allocations out of the memory figures)")
+        run_variant("stock", {**spec, "steps": 1, "eval_batches": 1}, base_cfg, train_rows, heldout_rows, rank,
+                    world, lambda msg: None)
+        dist.barrier()
     runs = []
     order = [v for _ in range(spec.get("repeat", 1)) for v in spec["variants"]]
     for k, variant in enumerate(order):

@@ -48,18 +48,65 @@ class PhaseKind(str, enum.Enum):
     COMMIT = "commit"  # a commit round is in flight; the model is at θ̃_{t+1} (acco) or θ_{k-1} (dpu)
 
 
-@dataclass
 class FlatGroup:
-    """The flat tensors of one parameter group (see the module docstring)."""
-    live: torch.Tensor
-    grads: torch.Tensor
-    comm: torch.Tensor
-    master: torch.Tensor
+    """One parameter group as the schedule sees it: where gradients accumulate (G), the
+    communication buffer (B: full size, rank-major shards), the live weights, and this rank's
+    shard of the optimizer's parameters.
 
-    def __post_init__(self):
-        n = self.live.numel()
-        if self.grads.numel() != n or self.comm.numel() != n:
+    This default holds everything as flat tensors laid out like B (DeepSpeed's flat groups).
+    An adapter whose live weights or shard parameters are not flat views of that layout
+    (FSDP2's unsharded parameters and DTensor shards) overrides the packing methods.
+    """
+
+    def __init__(self, live: torch.Tensor, grads: torch.Tensor, comm: torch.Tensor, master: torch.Tensor):
+        n = live.numel()
+        if grads.numel() != n or comm.numel() != n:
             raise ValueError("live, grads and comm must have the same length")
+        self.live, self.grads, self.comm, self.master = live, grads, comm, master
+
+    @property
+    def shard_params(self) -> List[torch.Tensor]:
+        """The optimizer's parameters for this rank's shard of the group."""
+        return [self.master]
+
+    def split_shard_grad(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """This rank's flat fp32 shard of the mean gradient, as gradients of ``shard_params``."""
+        return [flat]
+
+    def read_shard(self) -> torch.Tensor:
+        """This rank's shard parameters as one flat fp32 tensor (B's layout)."""
+        return self.master.detach().to(torch.float32, copy=True)
+
+    def pack_grads(self, clear: bool) -> None:
+        """B ← G; then G ← 0 if ``clear``."""
+        self.comm.copy_(self.grads)
+        if clear:
+            self.grads.zero_()
+
+    def unpack_into_live(self) -> None:
+        """Live weights ← the parameters all-gathered into B."""
+        self.live.copy_(self.comm)
+
+    def swap_live_and_comm(self) -> None:
+        _swap_(self.live, self.comm)
+
+    def zero_grads(self) -> None:
+        self.grads.zero_()
+
+    def export_state(self, swapped: bool) -> dict:
+        """G, the live weights and B as the compute lane sees them (CPU copies)."""
+        live, comm = (self.comm, self.live) if swapped else (self.live, self.comm)
+        return {k: t.detach().to("cpu", copy=True) for k, t in (("grads", self.grads), ("live", live),
+                                                                 ("comm", comm))}
+
+    def import_state(self, state: dict) -> None:
+        with torch.no_grad():
+            for k in ("grads", "live", "comm"):
+                getattr(self, k).copy_(state[k])
+
+    def layout(self) -> list:
+        """What must match for a saved state to be restored here."""
+        return [self.comm.numel(), str(self.comm.dtype)]
 
 
 @dataclass
@@ -209,7 +256,7 @@ class AccoSchedule:
         self._estimate_shards: Optional[List[torch.Tensor]] = None  # lane-owned, for the drift
         self._swapped = False  # inside committed_weights: live and comm exchanged
         for g in self.groups:
-            g.grads.zero_()
+            g.zero_grads()
 
     # -- the compute lane's calls ---------------------------------------------------------
     def phase_ends(self, decide: bool = True) -> bool:
@@ -282,14 +329,14 @@ class AccoSchedule:
         swap = inflight is not None and inflight.kind is RoundKind.COMMIT
         if swap:  # comm holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu)
             for g in self.groups:
-                _swap_(g.live, g.comm)
+                g.swap_live_and_comm()
             self._swapped = True
         try:
             yield
         finally:
             if swap:
                 for g in self.groups:
-                    _swap_(g.live, g.comm)
+                    g.swap_live_and_comm()
                 self._swapped = False
 
     # -- exact resume ----------------------------------------------------------------------
@@ -300,7 +347,6 @@ class AccoSchedule:
         communication buffer as the compute lane sees them, the phase position and the finished
         round's result. Drains first (no collective is cut). Tensors are copied to CPU."""
         self.drain()
-        live_key, comm_key = ("comm", "live") if self._swapped else ("live", "comm")
         inflight = self._inflight
 
         def cpu(ts):
@@ -310,16 +356,14 @@ class AccoSchedule:
             "version": self.STATE_VERSION,
             "mode": self.mode,
             "world": self.world,
-            "numel": [g.live.numel() for g in self.groups],
+            "layout": [g.layout() for g in self.groups],
             "phase": self.phase.value,
             "step_index": self.step_index,
             "committed_steps": self.committed_steps,
             "phase_tally": (self.phase_tally.micro_batches, self.phase_tally.weight),
             "buffer_tally": (self.buffer_tally.micro_batches, self.buffer_tally.weight),
             "micro_batches": self.micro_batches,
-            "grads": cpu(g.grads for g in self.groups),
-            "live": cpu(getattr(g, live_key) for g in self.groups),
-            "comm": cpu(getattr(g, comm_key) for g in self.groups) if inflight is not None else None,
+            "groups": [g.export_state(self._swapped) for g in self.groups],
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
                 "result": _result_to_dict(inflight.result)},
@@ -331,16 +375,11 @@ class AccoSchedule:
         if self._inflight is not None:
             self.drain()
         mismatch = [k for k, mine in (("version", self.STATE_VERSION), ("mode", self.mode), ("world", self.world),
-                                      ("numel", [g.live.numel() for g in self.groups])) if state.get(k) != mine]
+                                      ("layout", [g.layout() for g in self.groups])) if state.get(k) != mine]
         if mismatch:
             raise ValueError(f"ACCO in-flight state does not fit this run ({', '.join(mismatch)} differ)")
-        with torch.no_grad():
-            for g, grads, live in zip(self.groups, state["grads"], state["live"]):
-                g.grads.copy_(grads)
-                g.live.copy_(live)
-            if state["comm"] is not None:
-                for g, comm in zip(self.groups, state["comm"]):
-                    g.comm.copy_(comm)
+        for g, saved in zip(self.groups, state["groups"]):
+            g.import_state(saved)
         self.phase = PhaseKind(state["phase"])
         self.step_index = state["step_index"]
         self.committed_steps = state["committed_steps"]
@@ -348,7 +387,7 @@ class AccoSchedule:
         self.buffer_tally = Tally(*state["buffer_tally"])
         self.micro_batches = state["micro_batches"]
         self._decision = None
-        device = self.groups[0].master.device
+        device = self.groups[0].comm.device
         self._estimate_shards = (None if state["estimate_shards"] is None else
                                  [t.to(device) for t in state["estimate_shards"]])
         info = state["inflight"]
@@ -373,7 +412,7 @@ class AccoSchedule:
         self._decision = None
         self._estimate_shards = None
         for g in self.groups:
-            g.grads.zero_()
+            g.zero_grads()
 
     def close(self) -> None:
         """Drain and stop the lane."""
@@ -385,9 +424,7 @@ class AccoSchedule:
     # -- internals ------------------------------------------------------------------------
     def _launch(self, kind: RoundKind, clear_grads: bool) -> None:
         for g in self.groups:
-            g.comm.copy_(g.grads)
-            if clear_grads:
-                g.grads.zero_()
+            g.pack_grads(clear_grads)
         tally = self.buffer_tally
         if clear_grads:
             self.buffer_tally = Tally()
@@ -419,7 +456,7 @@ class AccoSchedule:
         waited_before = inflight.wait_s
         self._wait(inflight)
         for g in self.groups:
-            g.live.copy_(g.comm)
+            g.unpack_into_live()
         self._inflight = None
         return inflight.wait_s - waited_before
 
@@ -458,18 +495,22 @@ class AccoSchedule:
             if factor > 1.0:
                 for gr in grads:
                     gr.mul_(1.0 / factor)
-        shards = [torch.empty(g.master.numel(), dtype=torch.float32, device=device) for g in self.groups]
+        param_grads = [pg for g, gr in zip(self.groups, grads) for pg in g.split_shard_grad(gr)]
+
+        def read():
+            return [g.read_shard() for g in self.groups]
+
         drift = None
         if kind is RoundKind.COMMIT:
-            before = [g.master.detach().clone() for g in self.groups] if self._estimate_shards else None
-            self.shard_optimizer.commit(grads, shards)
+            before = read() if self._estimate_shards else None
+            shards = self.shard_optimizer.commit(param_grads, read)
             if before is not None:
                 drift = self._drift(before, shards)
         else:
-            self.shard_optimizer.estimate(grads, shards)
+            shards = self.shard_optimizer.estimate(param_grads, read)
             if self.track_drift:
                 self._estimate_shards = [s.clone() for s in shards]
-        del grads
+        del grads, param_grads
         for g, shard in zip(self.groups, shards):
             collectives.gather_shards(shard.to(g.comm.dtype), g.comm, self.group)
         return RoundResult(kind, step, local, per_rank, grad_norm, drift, table[:, 2:], started,
@@ -477,7 +518,7 @@ class AccoSchedule:
 
     def _skip(self, kind, step, local, per_rank, grad_norm, table, started) -> RoundResult:
         """No update this round: gather θ itself (the estimate falls back to θ_t, a commit keeps θ_t)."""
-        shards = [g.master.detach().to(torch.float32, copy=True) for g in self.groups]
+        shards = [g.read_shard() for g in self.groups]
         if kind is RoundKind.ESTIMATE and self.track_drift:
             self._estimate_shards = [s.clone() for s in shards]
         if kind is RoundKind.COMMIT:

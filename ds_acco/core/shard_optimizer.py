@@ -8,36 +8,36 @@ special-cased.
 from __future__ import annotations
 
 import copy
-from typing import List, Sequence
+from typing import Callable, List, Sequence, TypeVar
 
 import torch
 
 _GROUP_PARAMS = "params"
+T = TypeVar("T")
 
 
 class ShardOptimizer:
-    """Drives ``optimizer`` whose params are exactly ``masters`` (one fp32 shard per group)."""
+    """Drives ``optimizer`` whose parameters are exactly ``params`` (this rank's shards: DeepSpeed's
+    fp32 master partitions, or FSDP's sharded parameters)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
         self.optimizer = optimizer
-        self.masters = list(masters)
+        self.masters = list(params)
         owned = {id(p) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
         if owned != {id(m) for m in self.masters}:
-            raise ValueError("the optimizer must own exactly the master shards")
+            raise ValueError("the optimizer must own exactly the shard parameters")
 
-    def commit(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-        """θ, S ← Opt(θ, S, g), kept; write θ (cast) into ``outs``."""
+    def commit(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
+        """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step)."""
         self._step(grads)
-        for out, m in zip(outs, self.masters):
-            out.copy_(m)
+        return read()
 
-    def estimate(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-        """Write Opt(θ, S, g)'s parameters into ``outs``; θ and S are left exactly as before."""
+    def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
+        """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly."""
         saved = self._snapshot()
         try:
             self._step(grads)
-            for out, m in zip(outs, self.masters):
-                out.copy_(m)
+            return read()
         finally:
             self._restore(saved)
 

@@ -75,7 +75,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             phases = FixedPhases(acco_config.phase_length(gradient_accumulation_steps))
         self.metrics = StepMetrics(acco_config.mode)
         self.schedule = AccoSchedule(
-            groups, ShardOptimizer(self.optimizer, self.single_partition_of_fp32_groups),
+            groups, ShardOptimizer(self.optimizer, [p for g in groups for p in g.shard_params]),
             CommLane(synchronous=acco_config.synchronous, timeout_s=acco_config.comm_timeout_s,
                      accelerator=get_accelerator()),
             group=self.acco_group, rank=rank, world=world, mode=acco_config.mode, phases=phases,

@@ -1,0 +1,7 @@
+"""``python -m ds_acco``: see :mod:`ds_acco.cli`."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""``python -m ds_acco``: command-line tools.
+
+    python -m ds_acco check CONFIG.json     # the resolved "acco" block as JSON, or the errors (exit 2)
+    python -m ds_acco ab ...                # forwarded to python -m ds_acco.bench ab ...
+    python -m ds_acco advise ...            # forwarded to python -m ds_acco.bench advise ...
+    python -m ds_acco cluster-test ...      # forwarded to python -m ds_acco.bench cluster-test ...
+
+``check`` validates the ``"acco"`` block (every key, with its default when absent) and, when ACCO is
+enabled, the DeepSpeed settings it depends on (ZeRO stage, an even ``gradient_accumulation_steps``
+in mode ``acco``, fp16, bf16 with fp32 accumulation, offload...), through DeepSpeed's own config
+parser, without starting any process group. The JSON goes to stdout, notes and errors to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from typing import List, Optional
+
+EXIT_OK, EXIT_ERROR = 0, 2
+BENCH_MODULE = "ds_acco.bench.__main__"
+BENCH_COMMANDS = ("ab", "advise", "cluster-test")
+
+
+def _has_auto(value) -> bool:
+    """Whether a config holds HF's ``"auto"`` placeholders (filled by the Trainer at run time)."""
+    if isinstance(value, dict):
+        return any(_has_auto(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_auto(v) for v in value)
+    return value == "auto"
+
+
+def check(path: str, out=None, err=None) -> int:
+    """Validate the config at ``path``; print the resolved block (stdout) or the errors (stderr)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    from .config import ACCO_KEY, acco_config_of, check_deepspeed_compat, load_ds_config
+
+    try:
+        raw = load_ds_config(path)
+        if not isinstance(raw, dict):
+            raise ValueError(f"the top level must be a JSON object, got {type(raw).__name__}")
+        acco = acco_config_of(raw)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"{path}: error: {exc}", file=err)
+        return EXIT_ERROR
+    resolved = acco.model_dump(mode="json")
+    if acco.enabled and acco.accumulation == "dynamic" and isinstance(raw.get("gradient_accumulation_steps"), int):
+        resolved["dynamic"] = acco.dynamic_bounds(raw["gradient_accumulation_steps"]).model_dump(mode="json")
+    if ACCO_KEY not in raw:
+        print(f"{path}: no \"{ACCO_KEY}\" block: stock DeepSpeed ZeRO (the defaults below are what an empty "
+              "block means)", file=err)
+    elif not acco.enabled:
+        print(f"{path}: acco.enabled = false: stock DeepSpeed ZeRO", file=err)
+    elif _has_auto(raw):
+        print(f"{path}: has \"auto\" values (filled by HF Trainer / Accelerate at run time): DeepSpeed-side checks "
+              "skipped; they run when the engine is built", file=err)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # parsing needs no device; keep DeepSpeed from probing
+        try:
+            from deepspeed.runtime.config import DeepSpeedConfig
+
+            check_deepspeed_compat(acco, DeepSpeedConfig(raw))
+        except Exception as exc:  # DeepSpeed's parser raises AssertionError, ValueError, pydantic errors...
+            print(f"{path}: error: {exc}", file=err)
+            return EXIT_ERROR
+    print(json.dumps({ACCO_KEY: resolved}, indent=2), file=out)
+    return EXIT_OK
+
+
+def forward_to_bench(command: str, argv: List[str], err=None) -> int:
+    """Run ``python -m ds_acco.bench COMMAND ARGV`` in this process, if the bench is installed."""
+    err = err or sys.stderr
+    try:
+        found = importlib.util.find_spec(BENCH_MODULE) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        print(f"'{command}' needs ds_acco.bench (python -m ds_acco.bench {command}), which is not in this "
+              "installation of ds_acco; fix: install a ds_acco version that ships ds_acco/bench/", file=err)
+        return EXIT_ERROR
+    rc = importlib.import_module(BENCH_MODULE).main([command, *argv])
+    return int(rc or 0)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in BENCH_COMMANDS:  # the bench parses its own options, --help included
+        return forward_to_bench(argv[0], argv[1:])
+    p = argparse.ArgumentParser(prog="python -m ds_acco", description="ds_acco: ACCO for DeepSpeed ZeRO-1.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("check", help="validate a DeepSpeed config's \"acco\" block; print it resolved as JSON")
+    c.add_argument("config", help="path to a DeepSpeed JSON config")
+    for name in BENCH_COMMANDS:
+        sub.add_parser(name, help=f"forwarded to python -m ds_acco.bench {name} (see its --help)", add_help=False)
+    args = p.parse_args(argv)
+    return check(args.config)
+
+
+__all__ = ["check", "forward_to_bench", "main"]
