@@ -361,3 +361,35 @@ def rank_dies(case, die_rank, die_at):
     except Exception as exc:  # the survivor's view
         return {"error": f"{type(exc).__name__}: {exc}",
                 "seconds_after_death": time.monotonic() - t0 if t0 else None}
+
+
+def soak(case, micro_batches, sample_every):
+    """Train many micro-batches; sample memory, threads and outstanding work as it goes."""
+    import os
+    import threading
+
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    schedule = engine.optimizer.schedule
+    page = os.sysconf("SC_PAGE_SIZE")
+    samples = []
+
+    def sample(i):
+        if i % sample_every == 0 or i == micro_batches - 1:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * page
+            lane_pool = schedule.lane._pool
+            samples.append({
+                "micro_batch": i,
+                "rss_mb": rss / 2**20,
+                "threads": threading.active_count(),
+                "os_threads": len(os.listdir("/proc/self/task")),
+                "inflight": int(schedule._inflight is not None),
+                "lane_queue": lane_pool._work_queue.qsize() if lane_pool is not None else 0,
+                "history": len(schedule.history),
+                "metrics_records": len(engine.optimizer.metrics.records),
+                "rounds_submitted": schedule.lane.rounds_submitted,
+            })
+    _feed(engine, rank, 0, micro_batches, sample)
+    engine.destroy()
+    return samples
