@@ -55,6 +55,11 @@ class AccoConfig(BaseModel):
     nonfinite: Literal["skip", "raise"] = Field(
         "skip", description="A round whose global mean gradient has inf/NaN: 'skip' its update (counted in "
         "engine.skipped_steps; the estimate falls back to θ) or 'raise' an error.")
+    sigterm: Literal["off", "stop", "checkpoint"] = Field(
+        "off", description="On SIGTERM: 'off' leaves signal handling alone; 'stop' makes every rank stop at the "
+        "same round and exit (code 143) after draining; 'checkpoint' also saves a checkpoint to "
+        "sigterm_checkpoint_dir first.")
+    sigterm_checkpoint_dir: Optional[str] = Field(None, description="Where 'checkpoint' saves on SIGTERM.")
     synchronous: bool = Field(
         False, description="Debug: run every round inline (no overlap); results are bit-identical.")
     comm_timeout_s: float = Field(
@@ -86,6 +91,12 @@ class AccoConfig(BaseModel):
             raise ValueError(f"acco.dynamic = {block.get('dynamic')!r} has no effect with acco.accumulation = "
                              f"{cfg.accumulation!r}; fix: set \"accumulation\": \"dynamic\" or remove "
                              "acco.dynamic")
+        if cfg.sigterm == "checkpoint" and not cfg.sigterm_checkpoint_dir:
+            raise ValueError("acco.sigterm = 'checkpoint' needs acco.sigterm_checkpoint_dir; fix: set it to a "
+                             "directory or use \"sigterm\": \"stop\"")
+        if cfg.sigterm_checkpoint_dir and cfg.sigterm != "checkpoint":
+            raise ValueError(f"acco.sigterm_checkpoint_dir = {cfg.sigterm_checkpoint_dir!r} has no effect with "
+                             f"acco.sigterm = {cfg.sigterm!r}; fix: set \"sigterm\": \"checkpoint\" or remove it")
         d = cfg.dynamic
         if d is not None and d.max_micro_batches is not None and d.max_micro_batches < d.min_micro_batches:
             raise ValueError(f"acco.dynamic.max_micro_batches = {d.max_micro_batches} is below "

@@ -393,3 +393,21 @@ def soak(case, micro_batches, sample_every):
     _feed(engine, rank, 0, micro_batches, sample)
     engine.destroy()
     return samples
+
+
+def sigterm_run(case, signal_rank, signal_at, total):
+    """``signal_rank`` gets SIGTERM after micro-batch ``signal_at``; report where each rank stopped."""
+    import os
+    import signal
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    done = 0
+    try:
+        for i in range(total):
+            _feed(engine, rank, i, i + 1)
+            done = i + 1
+            if rank == signal_rank and i == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return {"stopped": False, "done": done}
+    except SystemExit as exc:
+        return {"stopped": True, "code": exc.code, "done": done, "global_steps": engine.global_steps}

@@ -218,7 +218,7 @@ class AccoSchedule:
             and before the next round is launched (the LR scheduler advances there).
     """
 
-    REPORT_SIZE = 4
+    REPORT_SIZE = 6  # floats each rank may send along with a round (metrics, a stop request)
 
     def __init__(self, groups: Sequence[FlatGroup], shard_optimizer: ShardOptimizer, lane: CommLane, *, group,
                  rank: int, world: int, mode: str, phases, grad_scale: float = 1.0, clip_grad: float = 0.0,

@@ -52,6 +52,8 @@ class AccoEngine(DeepSpeedEngine):
             raise ValueError(f"acco.enabled = true but DeepSpeed built {type(self.optimizer).__name__}, not a ZeRO "
                              "stage 1 optimizer; fix: use \"zero_optimization\": {\"stage\": 1} with an optimizer "
                              "(client or \"optimizer\" block), or disable acco")
+        if acco_config.sigterm != "off":
+            self._acco_install_sigterm()
         explicit = self._config._param_dict.get("zero_optimization", {})
         ignored = [k for k in _REPLACED_KNOBS if k in explicit]
         if ignored and self.global_rank == 0:
@@ -123,9 +125,35 @@ class AccoEngine(DeepSpeedEngine):
         schedule.record_micro_batch(self._acco_weight)
         self._acco_weight = 1.0
         try:
-            return super().step(lr_kwargs)
+            out = super().step(lr_kwargs)
         finally:
             self._acco_boundary = None
+        if self.optimizer.stop_requested_by_any_rank():
+            self._acco_stop()
+        return out
+
+    # -- SIGTERM: every rank stops at the same round --------------------------------------------
+    def _acco_install_sigterm(self) -> None:
+        import signal
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("acco.sigterm needs the engine to be built on the main thread (signal handlers); "
+                             "fix: set \"sigterm\": \"off\"")
+
+        def handler(signum, frame):
+            # Only flag it: the request rides along with this rank's next round, so every rank
+            # learns it when collecting that same round and stops at the same point.
+            self.optimizer.stop_requested = True
+        signal.signal(signal.SIGTERM, handler)
+
+    def _acco_stop(self) -> None:
+        cfg = self._acco_config
+        self._acco_schedule().drain()
+        if cfg.sigterm == "checkpoint":
+            self.save_checkpoint(cfg.sigterm_checkpoint_dir)
+        if self.global_rank == 0:
+            logger.info(f"ACCO: stopping on SIGTERM after {self.global_steps} committed steps"
+                        + (f", checkpoint in {cfg.sigterm_checkpoint_dir}" if cfg.sigterm == "checkpoint" else ""))
+        raise SystemExit(143)
 
     def _take_model_step(self, lr_kwargs):
         self._acco_lr_kwargs = lr_kwargs

@@ -20,8 +20,10 @@ from ..comm import collectives
 from ..comm.lane import CommLane
 from ..config import AccoConfig
 from ..core.schedule import AccoSchedule, DynamicPhases, FixedPhases, FlatGroup, RoundResult
-from ..metrics import StepMetrics
 from ..core.shard_optimizer import ShardOptimizer
+from ..metrics import REPORT_FIELDS, StepMetrics
+
+STOP_FIELD = len(REPORT_FIELDS)  # index of the stop request in a round's peer report
 
 ACCO_STATE_KEY = "acco_state"
 
@@ -81,10 +83,11 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             group=self.acco_group, rank=rank, world=world, mode=acco_config.mode, phases=phases,
             grad_scale=1.0 / gradient_accumulation_steps, clip_grad=self.clip_grad,
             reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
-            track_drift=acco_config.metrics.estimate_drift, report=self.metrics.report,
+            track_drift=acco_config.metrics.estimate_drift, report=self._report,
             nonfinite=acco_config.nonfinite, on_commit=self._on_commit)
         self._engine_on_commit = on_commit
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
+        self.stop_requested = False  # set by a SIGTERM handler; sent to every rank with the next round
         if dist.get_rank() == 0:
             logger.info(f"ACCO: mode={acco_config.mode} accumulation={acco_config.accumulation} phases={phases} "
                         f"weighting={acco_config.weighting} synchronous={acco_config.synchronous} "
@@ -113,6 +116,18 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         """End the current phase (called by the engine at every ACCO phase boundary)."""
         self.overflow = False
         self.schedule.end_phase()
+
+    def _report(self):
+        # Travels with each round to every rank: this rank's metrics, then its stop request.
+        return self.metrics.report() + [float(self.stop_requested)]
+
+    def stop_requested_by_any_rank(self) -> bool:
+        """Whether a round collected so far carried a stop request from some rank."""
+        for r in self.schedule.recent_rounds:
+            if r.peer_report is not None and r.peer_report.shape[1] > STOP_FIELD and bool(
+                    (r.peer_report[:, STOP_FIELD] > 0).any()):
+                return True
+        return False
 
     def _on_commit(self, result: RoundResult) -> None:
         self._global_grad_norm = result.grad_norm
