@@ -60,6 +60,9 @@ class AccoConfig(BaseModel):
         "same round and exit (code 143) after draining; 'checkpoint' also saves a checkpoint to "
         "sigterm_checkpoint_dir first.")
     sigterm_checkpoint_dir: Optional[str] = Field(None, description="Where 'checkpoint' saves on SIGTERM.")
+    estimate_comm_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
+        None, description="Send the estimate round in this dtype (e.g. 'bf16' while gradients travel in fp32); "
+        "the estimate is discarded, so only its precision drops. Default: the communication dtype.")
     synchronous: bool = Field(
         False, description="Debug: run every round inline (no overlap); results are bit-identical.")
     comm_timeout_s: float = Field(
@@ -196,11 +199,6 @@ def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
     if ds.float16_config.enabled:
         raise ValueError("fp16.enabled = true: fp16 loss scaling is not supported by this version of ds_acco; "
                          "fix: use \"bf16\": {\"enabled\": true} or fp32")
-    if ds.bfloat16_config.enabled and ds.grad_accum_dtype is not None and str(ds.grad_accum_dtype) in ("fp32", "float32",
-                                                                                                       "torch.float32"):
-        raise ValueError("data_types.grad_accum_dtype = 'fp32' with bf16: DeepSpeed routes this combination to its "
-                         "BF16_Optimizer, not to ZeRO-1, so ACCO would never run; fix: remove "
-                         "data_types.grad_accum_dtype (bf16 accumulation) or disable acco")
     if getattr(ds.zero_config, "zenflow", None) is not None:
         raise ValueError("zero_optimization.zenflow is set: ZenFlow replaces the ZeRO optimizer ACCO extends; "
                          "fix: remove zenflow or disable acco")

@@ -84,8 +84,8 @@ INIT_CASES = [
     ({"zero_optimization": None}, "model", ["zero_optimization.stage", "0", "fix"]),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "model",
      ["offload_optimizer.device", "cpu", "fix"]),
-    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "model",
-     ["grad_accum_dtype", "fp32", "BF16_Optimizer", "fix"]),
+    ({"bf16": {"enabled": True}, "acco": {"enabled": True, "estimate_comm_dtype": "fp32"}}, "model",
+     ["estimate_comm_dtype", "fp32", "wider", "fix"]),
     ({"fp16": {"enabled": True}}, "model", ["fp16", "fix"]),
     ({}, "pipeline", ["PipelineModule", "fix"]),
 ]

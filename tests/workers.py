@@ -17,7 +17,7 @@ def train(case: dict, use_ds_acco: bool = True):
     import deepspeed
     rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
     model = TinyNet(seed=0)
-    cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0))
+    cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0), **case.get("extra", {}))
     init = ds_acco.initialize if use_ds_acco else deepspeed.initialize
     if case["optimizer"].startswith("ds:"):  # DeepSpeed's config-built optimizer
         cfg["optimizer"] = DS_OPTIMIZERS[case["optimizer"]]
@@ -35,7 +35,8 @@ def train(case: dict, use_ds_acco: bool = True):
         if [rank, i] in [list(p) for p in case.get("nan_at", ())]:
             x = x.clone()
             x[0, 0] = float("nan")  # a non-finite gradient on one rank
-        loss = engine(x, y)
+        dtype = next(engine.module.parameters()).dtype
+        loss = engine(x.to(dtype), y.to(dtype))
         engine.backward(loss)
         boundaries.append(engine.is_gradient_accumulation_boundary())
         engine.step()
@@ -51,7 +52,7 @@ def train(case: dict, use_ds_acco: bool = True):
         steps = engine.global_steps
     if lane_log is not None:
         lane_log.release_all()
-    out = {"skipped_steps": engine.skipped_steps, "losses": losses, "lane_log": lane_log.events if lane_log else None,
+    out = {"param_dtype": str(next(engine.module.parameters()).dtype), "skipped_steps": engine.skipped_steps, "losses": losses, "lane_log": lane_log.events if lane_log else None,
            "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
            "probes": probes, "optimizer": type(engine.optimizer).__name__}
     engine.destroy()
@@ -133,6 +134,7 @@ def memory_facts(engine):
         "grad_hooks": len(opt._grad_acc_hooks),
         "ipg_buffers": sum(len(b.buffer) for b in opt.ipg_buckets.values()),
         "averaged_gradients": len(opt.averaged_gradients),
+        "accum_dtype": str(opt.accum_dtype), "comm_dtype": str(opt.comm_dtype),
         "comm_numel": sum(g.comm.numel() for g in opt.schedule.groups),
         "live_numel": sum(g.live.numel() for g in opt.schedule.groups),
         "grads_are_views": all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages

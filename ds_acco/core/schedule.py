@@ -58,11 +58,24 @@ class FlatGroup:
     (FSDP2's unsharded parameters and DTensor shards) overrides the packing methods.
     """
 
-    def __init__(self, live: torch.Tensor, grads: torch.Tensor, comm: torch.Tensor, master: torch.Tensor):
+    def __init__(self, live: torch.Tensor, grads: torch.Tensor, comm: torch.Tensor, master: torch.Tensor,
+                 estimate_dtype: Optional[torch.dtype] = None):
         n = live.numel()
         if grads.numel() != n or comm.numel() != n:
             raise ValueError("live, grads and comm must have the same length")
         self.live, self.grads, self.comm, self.master = live, grads, comm, master
+        self._estimate_comm = comm
+        if estimate_dtype is not None and estimate_dtype != comm.dtype:
+            # A narrower dtype for estimate rounds, in the same storage: the estimate is discarded,
+            # so only its precision drops, and it sends fewer bytes.
+            if torch.empty(0, dtype=estimate_dtype).element_size() > comm.element_size():
+                raise ValueError("the estimate round's dtype cannot be wider than the communication dtype")
+            self._estimate_comm = comm.view(torch.uint8)[:n * torch.empty(0, dtype=estimate_dtype).element_size()] \
+                .view(estimate_dtype)
+
+    def comm_for(self, kind: "RoundKind") -> torch.Tensor:
+        """The buffer a round of ``kind`` reduces and gathers in (B, or a narrower view of it)."""
+        return self._estimate_comm if kind is RoundKind.ESTIMATE else self.comm
 
     @property
     def shard_params(self) -> List[torch.Tensor]:
@@ -77,15 +90,15 @@ class FlatGroup:
         """This rank's shard parameters as one flat fp32 tensor (B's layout)."""
         return self.master.detach().to(torch.float32, copy=True)
 
-    def pack_grads(self, clear: bool) -> None:
-        """B ← G; then G ← 0 if ``clear``."""
-        self.comm.copy_(self.grads)
+    def pack_grads(self, clear: bool, kind: "RoundKind" = None) -> None:
+        """B ← G (cast to the round's dtype); then G ← 0 if ``clear``."""
+        self.comm_for(kind).copy_(self.grads)
         if clear:
             self.grads.zero_()
 
-    def unpack_into_live(self) -> None:
-        """Live weights ← the parameters all-gathered into B."""
-        self.live.copy_(self.comm)
+    def unpack_into_live(self, kind: "RoundKind" = None) -> None:
+        """Live weights ← the parameters all-gathered into B by a round of ``kind``."""
+        self.live.copy_(self.comm_for(kind))
 
     def swap_live_and_comm(self) -> None:
         _swap_(self.live, self.comm)
@@ -424,7 +437,7 @@ class AccoSchedule:
     # -- internals ------------------------------------------------------------------------
     def _launch(self, kind: RoundKind, clear_grads: bool) -> None:
         for g in self.groups:
-            g.pack_grads(clear_grads)
+            g.pack_grads(clear_grads, kind)
         tally = self.buffer_tally
         if clear_grads:
             self.buffer_tally = Tally()
@@ -456,7 +469,7 @@ class AccoSchedule:
         waited_before = inflight.wait_s
         self._wait(inflight)
         for g in self.groups:
-            g.unpack_into_live()
+            g.unpack_into_live(inflight.kind)
         self._inflight = None
         return inflight.wait_s - waited_before
 
@@ -479,7 +492,8 @@ class AccoSchedule:
         denom = weight * self.grad_scale
         grads = []
         for g in self.groups:
-            summed = collectives.reduce_to_shard(g.comm, self.rank, self.world, self.group, self.reduce_scatter)
+            summed = collectives.reduce_to_shard(g.comm_for(kind), self.rank, self.world, self.group,
+                                                 self.reduce_scatter)
             grads.append(summed.to(torch.float32).div_(denom) if summed.dtype != torch.float32 else summed / denom)
         norm_sq = collectives.sum_scalars(global_norm_sq(grads), self.group)
         grad_norm = float(norm_sq.sqrt())  # the same on every rank: so is the skip decision
@@ -512,7 +526,8 @@ class AccoSchedule:
                 self._estimate_shards = [s.clone() for s in shards]
         del grads, param_grads
         for g, shard in zip(self.groups, shards):
-            collectives.gather_shards(shard.to(g.comm.dtype), g.comm, self.group)
+            out = g.comm_for(kind)
+            collectives.gather_shards(shard.to(out.dtype), out, self.group)
         return RoundResult(kind, step, local, per_rank, grad_norm, drift, table[:, 2:], started,
                            time.perf_counter())
 
@@ -524,7 +539,8 @@ class AccoSchedule:
         if kind is RoundKind.COMMIT:
             self._estimate_shards = None
         for g, shard in zip(self.groups, shards):
-            collectives.gather_shards(shard.to(g.comm.dtype), g.comm, self.group)
+            out = g.comm_for(kind)
+            collectives.gather_shards(shard.to(out.dtype), out, self.group)
         return RoundResult(kind, step, local, per_rank, grad_norm, None, table[:, 2:], started,
                            time.perf_counter(), skipped=True)
 

@@ -13,7 +13,9 @@ from typing import Any, Optional
 import deepspeed
 import deepspeed.runtime.engine as ds_engine_module
 from deepspeed import comm as ds_dist
+from deepspeed.runtime.constants import BFLOAT16
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
 from ..config import AccoConfig, acco_config_of, check_deepspeed_compat, load_ds_config
@@ -63,12 +65,20 @@ class AccoEngine(DeepSpeedEngine):
     def _configure_zero_optimizer(self, optimizer):
         cfg = self._acco_config
 
+        comm_dtype = self._config.communication_data_type  # explicit setting only; else G's dtype
+
         def build(init_optimizer, param_names, **kwargs):
             return AccoZeroOptimizer(init_optimizer, param_names, acco_config=cfg, on_commit=self._acco_on_commit,
-                                     **kwargs)
+                                     comm_dtype=comm_dtype, **kwargs)
 
         with _substituted(ds_engine_module, "DeepSpeedZeroOptimizer", build):
             return super()._configure_zero_optimizer(optimizer)
+
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        wrapper = super()._do_optimizer_sanity_check(basic_optimizer)
+        # DeepSpeed sends bf16 weights with fp32 gradient accumulation to its BF16_Optimizer;
+        # ACCO accumulates in fp32 itself, on the ZeRO-1 path.
+        return ZERO_OPTIMIZATION if wrapper == BFLOAT16 else wrapper
 
     # -- phases -----------------------------------------------------------------------------------
     def _acco_schedule(self):

@@ -26,6 +26,15 @@ from ..metrics import REPORT_FIELDS, StepMetrics
 STOP_FIELD = len(REPORT_FIELDS)  # index of the stop request in a round's peer report
 
 ACCO_STATE_KEY = "acco_state"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _adder(view: torch.Tensor):
+    """A post-accumulate-grad hook adding the parameter's gradient into its slice of G."""
+    def hook(param: torch.Tensor) -> None:
+        view.add_(param.grad.view_as(view))
+        param.grad = None
+    return hook
 
 # Stock knobs that only shape DeepSpeed's own reduction, which ACCO replaces.
 _REPLACED_KNOBS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
@@ -40,7 +49,14 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
     """
 
     def __init__(self, init_optimizer, param_names, *, acco_config: AccoConfig, gradient_accumulation_steps: int,
-                 on_commit: Optional[Callable[[RoundResult], None]] = None, **kwargs):
+                 on_commit: Optional[Callable[[RoundResult], None]] = None, comm_dtype: Optional[torch.dtype] = None,
+                 **kwargs):
+        model_dtype = init_optimizer.param_groups[0]["params"][0].dtype
+        # G accumulates in DeepSpeed's gradient-accumulation dtype (bf16 weights may accumulate
+        # in fp32); DeepSpeed itself sees model-dtype gradients so it builds no hooks of its own.
+        accum_dtype = kwargs.get("gradient_accumulation_dtype") or model_dtype
+        kwargs["gradient_accumulation_dtype"] = model_dtype
+        comm_dtype = comm_dtype or accum_dtype
         kwargs["gradient_accumulation_steps"] = gradient_accumulation_steps
         kwargs["overlap_comm"] = False  # no gradient hooks, no ipg buckets: G is p.grad itself
         kwargs["contiguous_gradients"] = False
@@ -57,18 +73,30 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         from datetime import timedelta
         self.acco_group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=acco_config.comm_timeout_s))
 
+        estimate_dtype = _DTYPES[acco_config.estimate_comm_dtype] if acco_config.estimate_comm_dtype else None
+        if estimate_dtype is not None and estimate_dtype.itemsize > comm_dtype.itemsize:
+            raise ValueError(f"acco.estimate_comm_dtype = {acco_config.estimate_comm_dtype!r} is wider than the "
+                             f"communication dtype {comm_dtype}; fix: use a narrower one (e.g. 'bf16'), or set "
+                             "DeepSpeed's communication_data_type / data_types.grad_accum_dtype to fp32")
         groups = []
         for i, live in enumerate(self.bit16_groups_flat):
-            grads = torch.zeros_like(live)
-            comm = torch.empty_like(live)
-            groups.append(FlatGroup(live=live, grads=grads, comm=comm, master=self.single_partition_of_fp32_groups[i]))
+            grads = torch.zeros(live.numel(), dtype=accum_dtype, device=live.device)
+            comm = torch.empty(live.numel(), dtype=comm_dtype, device=live.device)
+            groups.append(FlatGroup(live=live, grads=grads, comm=comm, master=self.single_partition_of_fp32_groups[i],
+                                    estimate_dtype=estimate_dtype))
+        self.accum_dtype, self.comm_dtype = accum_dtype, comm_dtype
         self._grad_views = []
         for i, params in enumerate(self.round_robin_bit16_groups):
             live, grads = groups[i].live, groups[i].grads
             for p in params:
                 offset = p.data.storage_offset() - live.storage_offset()
                 self._grad_views.append((p, grads.narrow(0, offset, p.numel()).view_as(p)))
-        self._attach_grads()
+        self._accumulate_hooks = []
+        if accum_dtype == model_dtype:
+            self._attach_grads()  # autograd accumulates straight into G
+        else:
+            for p, view in self._grad_views:
+                self._accumulate_hooks.append(p.register_post_accumulate_grad_hook(_adder(view)))
 
         if acco_config.accumulation == "dynamic":
             d = acco_config.dynamic_bounds(gradient_accumulation_steps)
@@ -91,10 +119,13 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         if dist.get_rank() == 0:
             logger.info(f"ACCO: mode={acco_config.mode} accumulation={acco_config.accumulation} phases={phases} "
                         f"weighting={acco_config.weighting} synchronous={acco_config.synchronous} "
+                        f"accumulate={accum_dtype} communicate={comm_dtype} estimate_round={estimate_dtype or comm_dtype} "
                         f"reduce={'reduce_scatter' if self.schedule.reduce_scatter else 'all_reduce+slice'}")
 
     # -- gradients live in G ------------------------------------------------------------------
     def _attach_grads(self) -> None:
+        if self._accumulate_hooks:
+            return  # gradients go through the hooks into a wider G
         for p, view in self._grad_views:
             if p.grad is not view:
                 p.grad = view
@@ -164,5 +195,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             self.pending_acco_state = state_dict_list[dist.get_rank(group=self.dp_process_group)].get(ACCO_STATE_KEY)
 
     def destroy(self):
+        for h in self._accumulate_hooks:
+            h.remove()
         self.schedule.close()
         super().destroy()
