@@ -13,8 +13,11 @@ setup(
     # torch with none installed pulls a large CUDA build.
     install_requires=["torch>=2.6,<2.15", "deepspeed>=0.19,<0.20", "pydantic>=2"],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.40"],
-        "examples": ["transformers>=4.40", "tqdm"],
+        # Tested: transformers 5.24.0, accelerate 1.15.0, matplotlib 3.x.
+        "test": ["pytest>=8", "transformers>=4.40", "accelerate>=1.15", "tqdm", "matplotlib>=3.5", "datasets"],
+        "hf": ["transformers>=4.40", "accelerate>=1.15"],
+        "examples": ["transformers>=4.40", "accelerate>=1.15", "tqdm", "datasets"],
+        "bench": ["matplotlib>=3.5", "transformers>=4.40", "tqdm"],
         "mpi": ["mpi4py", "mpich"],
     },
 )

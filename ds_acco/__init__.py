@@ -12,6 +12,7 @@ import contextlib
 import importlib
 
 from .config import AccoConfig
+from .install import install, installed, uninstall
 
 __version__ = "0.1.0"
 
@@ -46,4 +47,5 @@ def committed_weights(engine):
         yield engine
 
 
-__all__ = ["AccoConfig", "AccoEngine", "AccoZeroOptimizer", "committed_weights", "initialize", "__version__"]
+__all__ = ["AccoConfig", "AccoEngine", "AccoZeroOptimizer", "committed_weights", "initialize", "install",
+           "installed", "uninstall", "__version__"]

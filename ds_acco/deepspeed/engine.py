@@ -100,7 +100,8 @@ class AccoEngine(DeepSpeedEngine):
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         raise ValueError("set_gradient_accumulation_boundary() conflicts with ACCO, which ends its own phases; "
-                         "fix: call engine.step() after every micro-batch and let ACCO decide")
+                         "fix: call engine.step() after every micro-batch and let ACCO decide (HF Trainer / "
+                         "Accelerate: call ds_acco.install() before building the Trainer)")
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, weight=None):
         """DeepSpeed's backward. ``weight``: this micro-batch's sample or token count, required with
@@ -113,7 +114,8 @@ class AccoEngine(DeepSpeedEngine):
             return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         if not scale_wrt_gas:
             raise ValueError("engine.backward(..., scale_wrt_gas=False) with ACCO: the mean gradient is formed "
-                             "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True")
+                             "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True "
+                             "(HF Trainer / Accelerate: call ds_acco.install() before building the Trainer)")
         weighting = self._acco_config.weighting
         if weighting == "micro_batch" and weight is not None:
             raise ValueError(f"engine.backward(..., weight={weight!r}) with acco.weighting = 'micro_batch': every "
