@@ -180,13 +180,21 @@ def acco_config_of(ds_config: Optional[Mapping[str, Any]]) -> AccoConfig:
     return AccoConfig.from_block((ds_config or {}).get(ACCO_KEY))
 
 
-def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
-    """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
-    gas = ds.gradient_accumulation_steps
+def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int, fp16: bool = False) -> None:
+    """Checks every adapter shares: the accumulation count fits the mode; no fp16 loss scaling."""
+    gas = gradient_accumulation_steps
     if acco.mode == "acco" and (gas < 2 or gas % 2):
         raise ValueError(f"gradient_accumulation_steps = {gas}: acco.mode 'acco' splits each optimizer step into "
                          "two equal halves (estimate, commit), so it needs an even value >= 2; fix: set "
                          f"gradient_accumulation_steps to {max(2, gas + gas % 2)} or use \"mode\": \"dpu\"")
+    if fp16:
+        raise ValueError("fp16.enabled = true: fp16 loss scaling is not supported by this version of ds_acco; "
+                         "fix: use \"bf16\": {\"enabled\": true} or fp32")
+
+
+def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
+    """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
+    check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config.enabled)
     stage = ds.zero_config.stage if ds.zero_enabled else 0
     if stage != 1:
         raise ValueError(f"zero_optimization.stage = {stage}: ACCO is a ZeRO stage 1 optimizer; fix: set "
@@ -196,9 +204,6 @@ def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
     if offload is not None and device != "none":
         raise ValueError(f"zero_optimization.offload_optimizer.device = {device!r}: ACCO keeps the "
                          "sharded optimizer on the accelerator; fix: remove offload_optimizer or disable acco")
-    if ds.float16_config.enabled:
-        raise ValueError("fp16.enabled = true: fp16 loss scaling is not supported by this version of ds_acco; "
-                         "fix: use \"bf16\": {\"enabled\": true} or fp32")
     if getattr(ds.zero_config, "zenflow", None) is not None:
         raise ValueError("zero_optimization.zenflow is set: ZenFlow replaces the ZeRO optimizer ACCO extends; "
                          "fix: remove zenflow or disable acco")

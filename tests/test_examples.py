@@ -6,7 +6,6 @@ directory, with a non-existent ``--hostfile`` (never ``/job/hostfile`` or ssh) a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

@@ -1,0 +1,6 @@
+"""ACCO / DPU for FSDP2 (``fully_shard``) models, on the same core and config block as the
+DeepSpeed adapter. See :class:`AccoFSDP`."""
+from .adapter import AccoFSDP, AccoFSDPOptimizer
+from .group import FSDPShardGroup
+
+__all__ = ["AccoFSDP", "AccoFSDPOptimizer", "FSDPShardGroup"]

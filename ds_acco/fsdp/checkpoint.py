@@ -1,0 +1,144 @@
+"""Exact-resume checkpoints of an :class:`~ds_acco.fsdp.AccoFSDP` run with torch.distributed.checkpoint.
+
+Taken at a quiescent point: the round in flight is drained first, so FSDP's sharded parameters
+and the optimizer state are the committed θ_t, S_t. Layout of ``path``:
+
+  DCP files   ``model.<fqn>`` (FSDP's sharded DTensor parameters) and ``optim.<fqn>.<key>``
+              (the optimizer's per-parameter state), written and read in place through DCP, so
+              FSDP's own state-dict hooks (which would re-gather the resident unsharded weights
+              from the shards) are never involved;
+  ``acco_rank<r>.pt``  rank r's ACCO in-flight state (``AccoSchedule.state_dict()``: G, the live
+              weights -- possibly the estimate θ̃ -- and B), the optimizer's param-group settings,
+              the LR scheduler and the step counters.
+
+A save is written to ``<path>.acco-partial`` and renamed into place by rank 0 once every rank has
+finished, so a reader sees the old checkpoint or the complete new one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+PARTIAL_SUFFIX = ".acco-partial"
+_GROUP_PARAMS = "params"
+
+
+def _fqns(acco) -> list:
+    """(fqn, FSDPParam) of every trainable parameter, in the group's order."""
+    names = {id(m): n for n, m in acco.module.named_modules()}
+    out = []
+    for s in acco.optimizer.group.slots:
+        info = s.fsdp_param._module_info
+        prefix = names[id(info.module)]
+        out.append((f"{prefix}.{info.param_name}" if prefix else info.param_name, s.fsdp_param))
+    return out
+
+
+def _dcp_state(acco) -> dict:
+    opt = acco.optimizer.optimizer
+    model, optim = {}, {}
+    for fqn, fp in _fqns(acco):
+        p = fp.sharded_param
+        model[fqn] = p
+        for k, v in opt.state.get(p, {}).items():
+            optim[f"{fqn}.{k}"] = v
+    return {"model": model, "optim": optim}
+
+
+def _rank_file(path: str) -> str:
+    return os.path.join(path, f"acco_rank{dist.get_rank()}.pt")
+
+
+def save(acco, path: str) -> None:
+    """Drain, then write the committed shards, the optimizer state and every rank's in-flight state."""
+    acco_state = acco.schedule.state_dict()  # drains: shards and optimizer state are the committed ones
+    scratch = f"{path}{PARTIAL_SUFFIX}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    dist.barrier()
+    opt = acco.optimizer.optimizer
+    dcp.save(_dcp_state(acco), checkpoint_id=scratch)
+    extras = {
+        "acco_state": acco_state,
+        "param_groups": [{k: v for k, v in g.items() if k != _GROUP_PARAMS} for g in opt.param_groups],
+        "lr_scheduler": acco.lr_scheduler.state_dict() if acco.lr_scheduler is not None else None,
+        "global_steps": acco.global_steps,
+        "skipped_steps": acco.skipped_steps,
+        "world": dist.get_world_size(),
+    }
+    torch.save(extras, _rank_file(scratch))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        retired = None
+        if os.path.exists(path):
+            retired = f"{path}.acco-retired-{os.getpid()}"
+            os.rename(path, retired)
+        os.rename(scratch, path)
+        if retired is not None:
+            shutil.rmtree(retired, ignore_errors=True)
+    dist.barrier()
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer, params) -> None:
+    """Create the optimizer's per-parameter state (shapes for DCP to load into) with a zero-gradient
+    step at learning rate 0, which leaves the parameters as they are."""
+    missing = [p for p in params if not opt.state.get(p)]
+    if not missing:
+        return
+    saved_lrs = [g["lr"] for g in opt.param_groups]
+    try:
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, saved_lrs):
+            g["lr"] = lr
+        for p in missing:
+            p.grad = None
+
+
+def load(acco, path: str) -> None:
+    """Load a checkpoint written by :func:`save` (same world size for the in-flight state; with
+    another world size the committed θ and S are loaded and a fresh ACCO phase starts there)."""
+    schedule = acco.schedule
+    schedule.drain()
+    opt = acco.optimizer.optimizer
+    with torch.no_grad():
+        _init_optimizer_state(opt, [fp.sharded_param for _, fp in _fqns(acco)])
+    state = _dcp_state(acco)
+    dcp.load(state, checkpoint_id=path)  # in place into the DTensor shards and state tensors
+    for fqn, fp in _fqns(acco):  # non-tensor entries come back as new objects
+        entries = opt.state[fp.sharded_param]
+        for k in list(entries):
+            if not torch.is_tensor(entries[k]):
+                entries[k] = state["optim"][f"{fqn}.{k}"]
+    rank_file = _rank_file(path)
+    mine = os.path.exists(rank_file)  # absent when the checkpoint had fewer ranks
+    extras = torch.load(rank_file if mine else os.path.join(path, "acco_rank0.pt"), weights_only=False)
+    for g, values in zip(opt.param_groups, extras["param_groups"]):
+        g.update(values)
+    if acco.lr_scheduler is not None and extras["lr_scheduler"] is not None:
+        acco.lr_scheduler.load_state_dict(extras["lr_scheduler"])
+    acco.global_steps = extras["global_steps"]
+    acco.skipped_steps = extras["skipped_steps"]
+    try:
+        if not mine:
+            raise ValueError("no in-flight state for this rank")
+        schedule.load_state_dict(extras["acco_state"])  # G, the live weights (θ or θ̃) and B
+    except ValueError:
+        # Another layout: start a fresh phase at the loaded committed θ (FSDP re-gathers it).
+        schedule.reset(acco.global_steps)
+        acco.optimizer.regather_allowed = True
+        try:
+            for m in acco.optimizer.modules:
+                m.reshard()
+            for m in acco.optimizer.modules:
+                m.unshard()
+        finally:
+            acco.optimizer.regather_allowed = False
