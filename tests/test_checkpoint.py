@@ -77,3 +77,26 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, kill_point):
     out = run_ranks(workers.checkpoint_load_latest, world=1, case=case, save_dir=str(tmp_path))[0]
     assert out["path"] is not None and f"{os.sep}good{os.sep}" in out["path"]
     assert out["global_steps"] == 1  # 5 micro-batches of gas 4 in acco: one commit (drained at save)
+
+
+def test_universal_checkpoint_resumes_at_another_world_size(saved, tmp_path):
+    """2 ranks → DeepSpeed's universal checkpoint → 1 rank: committed θ, optimizer state and step
+    count carry over; ACCO's per-rank in-flight state cannot, and a fresh phase starts."""
+    import subprocess
+    import sys
+    name, case, save_dir, full, resumed = saved
+    if case["optimizer"] != "adamw":
+        pytest.skip("DeepSpeed's ds_to_universal converts Adam-style optimizer state only (exp_avg); "
+                    f"this case uses {case['optimizer']}")
+    out_dir = tmp_path / "universal"
+    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        os.path.join(save_dir, "mb11"), "--output_folder", str(out_dir / "mb11_universal"),
+                        "--inject_missing_state"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (out_dir / "latest").write_text("mb11_universal")
+    got = run_ranks(workers.universal_resume, world=1, case=case, load_dir=str(out_dir), total=TOTAL, start=12)[0]
+    assert got["optimizer"] == "AccoZeroOptimizer"
+    assert got["loaded_steps"] == resumed[0][11]["loaded_steps"]
+    for n, t in resumed[0][11]["loaded"].items():
+        assert torch.equal(got["loaded"][n], t), n
+    assert all(l == l for l in got["losses"])  # trains on (finite losses)

@@ -413,3 +413,23 @@ def sigterm_run(case, signal_rank, signal_at, total):
         return {"stopped": False, "done": done}
     except SystemExit as exc:
         return {"stopped": True, "code": exc.code, "done": done, "global_steps": engine.global_steps}
+
+
+def universal_resume(case, load_dir, total, start):
+    """Load a universal checkpoint (any world size) into an ACCO engine and train on."""
+    import os
+    rank = int(os.environ["RANK"])
+    case = dict(case, extra={"checkpoint": {"load_universal": True}})
+    model = TinyNet(seed=1)  # different init: everything must come from the checkpoint
+    cfg = ds_config(case.get("gas", 4), case.get("acco"), **case["extra"])
+    opt = make_optimizer(case["optimizer"])(model)
+    engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
+    path, _ = engine.load_checkpoint(load_dir)
+    with ds_acco.committed_weights(engine):
+        loaded = snapshot(engine.module)
+    steps = engine.global_steps
+    losses = _feed(engine, rank, start, total)
+    out = {"path": path, "loaded": loaded, "loaded_steps": steps, "losses": losses,
+           "optimizer": type(engine.optimizer).__name__}
+    engine.destroy()
+    return out
