@@ -103,7 +103,7 @@ def cmd_advise(a) -> int:
 
 def cmd_summarize(a) -> int:
     paths = [p for pat in a.paths for p in sorted(glob.glob(pat))]
-    summaries = report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith(".raw.json")])
+    summaries = report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith((".raw.json", ".spec.json"))])
     if not summaries:
         print("no summaries found", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 ORDER = ("stock", "fixed", "dynamic", "dpu")
 LABELS = {"stock": "stock ZeRO-1", "fixed": "ACCO fixed", "dynamic": "ACCO dynamic", "dpu": "DPU"}
@@ -113,13 +113,14 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     for k in names:
         v = variants[k]
         step = v["step_s"] or 0.0
-        c = min(step, v["compute_probe_s"] or 0.0)
+        # stock: its own in-loop compute (same contention as its steps); others: the probe's
+        c = min(step, v.get("compute_in_loop_s") or v["compute_probe_s"] or 0.0)
         e = min(max(0.0, step - c), max(0.0, v["exposed_comm_s"] or 0.0))
         comp.append(c)
         exp.append(e)
         rest.append(max(0.0, step - c - e))
     xs = range(len(names))
-    ax.bar(xs, comp, label="compute (isolated probe)")
+    ax.bar(xs, comp, label="compute (stock: in-loop; others: probe)")
     ax.bar(xs, exp, bottom=comp, label="exposed communication")
     ax.bar(xs, rest, bottom=[a + b for a, b in zip(comp, exp)], label="other (contention, copies)")
     ax.set_xticks(list(xs), [LABELS.get(k, k) for k in names], fontsize=8)
@@ -157,7 +158,7 @@ def load_summaries(paths: Sequence[str]) -> List[dict]:
     for p in paths:
         with open(p) as f:
             s = json.load(f)
-        if "variants" in s:
+        if isinstance(s, dict) and "variants" in s and "validation" in s:  # not raw records or specs
             out.append(s)
     return out
 
