@@ -1,6 +1,7 @@
 """Spawn N local ranks (gloo on 127.0.0.1, a free port) that run one function each."""
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import socket
@@ -50,6 +51,12 @@ def run_ranks(fn, world: int = 2, timeout: float = 300.0, allow_missing: bool = 
         for p in hung:
             p.kill()
             p.join()
+        # DeepSpeed's CPU shm op leaves one buffer per rank and port in /dev/shm: drop ours.
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         results, errors = [], []
         for r, out in enumerate(outs):
             if not os.path.exists(out):

@@ -117,6 +117,10 @@ def _terminate(signum, frame):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["timeline"]:  # its own parser: a traced run drawn as compute / communication lanes
+        from .timeline import main as timeline_main
+        return timeline_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m ds_acco.bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cluster-test", help="root: build an emulated cluster, check isolation and bandwidth, "
@@ -137,6 +141,8 @@ def main(argv=None) -> int:
     ad.add_argument("--max-gas", type=int, default=64, help="largest gradient_accumulation_steps to recommend")
     ad.add_argument("--label", default=None)
     ad.set_defaults(fn=cmd_advise)
+    sub.add_parser("timeline", help="trace compute and communication lanes of stock ZeRO-1 and ACCO into a PNG "
+                   "(see python -m ds_acco.bench timeline --help)")
     sm = sub.add_parser("summarize", help="combine A/B summaries into one Markdown file and an advisor plot")
     sm.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
     sm.add_argument("--out", default="bench_results")

@@ -250,6 +250,17 @@ def loopback_env(rank: int, world: int, port: int) -> Dict[str, str]:
             "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo"}
 
 
+def sweep_deepspeed_shm(port: int) -> None:
+    """DeepSpeed's CPU shm comm op leaves a ~66 MB buffer per rank in /dev/shm for every
+    (address, port) it initialised with; remove those of a finished launch on ``port``."""
+    import glob
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 class LaunchError(RuntimeError):
     """A rank failed or the run timed out; the message names which and why."""
 

@@ -108,7 +108,11 @@ def launch_workers(spec: ABSpec, raw_out: str, out=None) -> dict:
             setup = cl.describe()
             out.write(f"network: {setup}\n")
             envs = [{**common, **cl.rank_env(r, 29500)} for r in range(spec.world)]
-            cluster.launch([cl.wrap(r, argv) for r in range(spec.world)], envs, timeout_s=spec.timeout_s, stream=out)
+            try:
+                cluster.launch([cl.wrap(r, argv) for r in range(spec.world)], envs, timeout_s=spec.timeout_s,
+                               stream=out)
+            finally:
+                cluster.sweep_deepspeed_shm(29500)
     elif network == "loopback":
         setup = LOOPBACK_NOTE
         out.write(f"network: {setup}\n")
@@ -116,7 +120,10 @@ def launch_workers(spec: ABSpec, raw_out: str, out=None) -> dict:
             out.write(f"note: --rate {spec.rate} ignored on loopback (shaping needs the emulated cluster)\n")
         port = _free_port()
         envs = [{**common, **cluster.loopback_env(r, spec.world, port)} for r in range(spec.world)]
-        cluster.launch([argv] * spec.world, envs, timeout_s=spec.timeout_s, stream=out)
+        try:
+            cluster.launch([argv] * spec.world, envs, timeout_s=spec.timeout_s, stream=out)
+        finally:
+            cluster.sweep_deepspeed_shm(port)
     else:
         raise ValueError(f"network {spec.network!r}: use 'auto', 'emulated' or 'loopback'")
     with open(raw_out) as f:

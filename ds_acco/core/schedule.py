@@ -86,9 +86,10 @@ class FlatGroup:
         """This rank's flat fp32 shard of the mean gradient, as gradients of ``shard_params``."""
         return [flat]
 
-    def read_shard(self) -> torch.Tensor:
-        """This rank's shard parameters as one flat fp32 tensor (B's layout)."""
-        return self.master.detach().to(torch.float32, copy=True)
+    def read_shard(self, copy: bool = True) -> torch.Tensor:
+        """This rank's shard parameters as one flat fp32 tensor (B's layout); with ``copy`` False
+        it may be the parameters' own storage (read-only use, before the next step)."""
+        return self.master.detach().to(torch.float32, copy=copy)
 
     def pack_grads(self, clear: bool, kind: "RoundKind" = None) -> None:
         """B ← G (cast to the round's dtype); then G ← 0 if ``clear``."""
@@ -494,7 +495,9 @@ class AccoSchedule:
         for g in self.groups:
             summed = collectives.reduce_to_shard(g.comm_for(kind), self.rank, self.world, self.group,
                                                  self.reduce_scatter)
-            grads.append(summed.to(torch.float32).div_(denom) if summed.dtype != torch.float32 else summed / denom)
+            # In place when already fp32: the summed gradient in B is not needed again before the
+            # all-gather overwrites B, so no shard-sized copy is made.
+            grads.append(summed.to(torch.float32).div_(denom) if summed.dtype != torch.float32 else summed.div_(denom))
         norm_sq = collectives.sum_scalars(global_norm_sq(grads), self.group)
         grad_norm = float(norm_sq.sqrt())  # the same on every rank: so is the skip decision
         if not math.isfinite(grad_norm):
@@ -511,13 +514,14 @@ class AccoSchedule:
                     gr.mul_(1.0 / factor)
         param_grads = [pg for g, gr in zip(self.groups, grads) for pg in g.split_shard_grad(gr)]
 
-        def read():
-            return [g.read_shard() for g in self.groups]
+        def read(copy: bool = True):
+            return [g.read_shard(copy) for g in self.groups]
 
         drift = None
         if kind is RoundKind.COMMIT:
             before = read() if self._estimate_shards else None
-            shards = self.shard_optimizer.commit(param_grads, read)
+            # θ_{t+1} is kept: the gather may read the master shards themselves (no copy).
+            shards = self.shard_optimizer.commit(param_grads, lambda: read(copy=False))
             if before is not None:
                 drift = self._drift(before, shards)
         else:

@@ -104,7 +104,7 @@ class FSDPShardGroup(FlatGroup):
             out.append(fp.to_sharded_dtensor(local))
         return out
 
-    def read_shard(self) -> torch.Tensor:
+    def read_shard(self, copy: bool = True) -> torch.Tensor:
         seg = torch.zeros(self.segment, dtype=torch.float32, device=self.comm.device)
         for s in self.slots:
             local = s.fsdp_param.sharded_param.to_local()
