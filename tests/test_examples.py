@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from test_launchers import REPO, _communicate, base_env, free_port, launcher, tail
+from test_launchers import REPO, _communicate, base_env, free_port, launcher, tail  # noqa: F401
 
 TIMEOUT_S = 240
 EXAMPLES = REPO / "examples"
@@ -79,3 +79,15 @@ def test_train_gpt_ab(tmp_path):
     runs = json.loads(json_out.read_text())["runs"]
     assert runs["stock"]["engine"] == "DeepSpeedEngine" and runs["acco"]["engine"] == "AccoEngine"
     assert [r["step"] for r in runs["acco"]["records"]] == [1, 2]
+
+
+def test_train_fsdp(tmp_path):
+    """examples/train_fsdp.py under torchrun: FSDP2 + ACCO, a few steps, held-out loss at the end."""
+    cmd = launcher("torchrun", "torch.distributed.run") + [
+        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        str(EXAMPLES / "train_fsdp.py"), "--steps", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    out, timed_out = _communicate(proc, TIMEOUT_S)
+    assert not timed_out and proc.returncode == 0, f"command: {' '.join(cmd)}\n{tail(out)}"
+    assert "done: 2 committed steps" in out and "held-out loss" in out, tail(out)

@@ -8,7 +8,9 @@ import threading
 import deepspeed
 import pytest
 
-from ds_acco import install as install_mod
+import importlib
+
+install_mod = importlib.import_module("ds_acco.install")  # the module: ds_acco.install is also the function
 from ds_acco.install import install, installed, uninstall
 
 ACCO_ON = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
