@@ -111,6 +111,14 @@ class AccoConfig(BaseModel):
         """Micro-batches per phase in fixed accumulation."""
         return gradient_accumulation_steps // 2 if self.mode == "acco" else gradient_accumulation_steps
 
+    def phase_policy(self, gradient_accumulation_steps: int):
+        """The core's phase policy for this config (what ends a phase)."""
+        from .core.schedule import DynamicPhases, FixedPhases
+        if self.accumulation == "dynamic":
+            d = self.dynamic_bounds(gradient_accumulation_steps)
+            return DynamicPhases(d.min_micro_batches, d.max_micro_batches, d.check_every)
+        return FixedPhases(self.phase_length(gradient_accumulation_steps))
+
     def dynamic_bounds(self, gradient_accumulation_steps: int) -> DynamicConfig:
         """The dynamic settings with defaults resolved against the fixed phase length."""
         d = self.dynamic or DynamicConfig()

@@ -19,7 +19,7 @@ from deepspeed.utils import logger
 from ..comm import collectives
 from ..comm.lane import CommLane
 from ..config import AccoConfig
-from ..core.schedule import AccoSchedule, DynamicPhases, FixedPhases, FlatGroup, RoundResult
+from ..core.schedule import AccoSchedule, FlatGroup, RoundResult
 from ..core.shard_optimizer import ShardOptimizer
 from ..metrics import REPORT_FIELDS, StepMetrics
 
@@ -98,11 +98,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             for p, view in self._grad_views:
                 self._accumulate_hooks.append(p.register_post_accumulate_grad_hook(_adder(view)))
 
-        if acco_config.accumulation == "dynamic":
-            d = acco_config.dynamic_bounds(gradient_accumulation_steps)
-            phases = DynamicPhases(d.min_micro_batches, d.max_micro_batches, d.check_every)
-        else:
-            phases = FixedPhases(acco_config.phase_length(gradient_accumulation_steps))
+        phases = acco_config.phase_policy(gradient_accumulation_steps)
         self.metrics = StepMetrics(acco_config.mode)
         self.schedule = AccoSchedule(
             groups, ShardOptimizer(self.optimizer, [p for g in groups for p in g.shard_params]),

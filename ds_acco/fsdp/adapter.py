@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..comm import collectives
 from ..comm.lane import CommLane
 from ..config import AccoConfig, acco_config_of, check_schedule_compat, load_ds_config
-from ..core.schedule import AccoSchedule, DynamicPhases, FixedPhases, RoundResult
+from ..core.schedule import AccoSchedule, RoundResult
 from ..core.shard_optimizer import ShardOptimizer
 from ..metrics import StepMetrics, format_line
 from .group import FSDPShardGroup
@@ -108,11 +108,7 @@ class AccoFSDPOptimizer:
             raise ValueError(f"{exc}: the optimizer must hold exactly the FSDP model's trainable parameters; fix: "
                              "build it over model.parameters() after fully_shard and before AccoFSDP") from None
 
-        if acco_config.accumulation == "dynamic":
-            d = acco_config.dynamic_bounds(gradient_accumulation_steps)
-            phases = DynamicPhases(d.min_micro_batches, d.max_micro_batches, d.check_every)
-        else:
-            phases = FixedPhases(acco_config.phase_length(gradient_accumulation_steps))
+        phases = acco_config.phase_policy(gradient_accumulation_steps)
         self.metrics = StepMetrics(acco_config.mode)
         self._on_commit_cb = on_commit
         self.schedule = AccoSchedule(
