@@ -103,7 +103,9 @@ def _rank(variant, gas, steps, mb_s=0.1, step_s=1.0, drained_last=True, metrics=
     for s, n in enumerate(mbs_per_step):
         for j in range(n):
             mb_loss.append(5.0 - 0.1 * s)
-            mb_compute.append(mb_s + (0.5 if variant == "stock" and j == gas - 1 else 0.0))
+            comm = 0.5 if variant in ("stock", "fsdp_stock") and j == gas - 1 else 0.0
+            comm += 0.3 if variant == "fsdp_stock" and j == 0 else 0.0  # FSDP2 gathers in the first forward
+            mb_compute.append(mb_s + comm)
             mb_step.append(s)
         seen += n
         t += step_s
@@ -116,7 +118,7 @@ def _rank(variant, gas, steps, mb_s=0.1, step_s=1.0, drained_last=True, metrics=
             * 2 ** 20}
 
 
-def _raw(gas=4, steps=5, world=2):
+def _raw(gas=4, steps=5, world=2, fsdp=False):
     probe_rank = {"n_params": 1_000_000, "micro_batch_s": 0.1, "all_reduce_s": 0.3, "all_gather_s": 0.2,
                   "opt_step_s": 0.0, "latency_s": 0.0, "comm_bytes": 4_000_000, "comm_cpu_fraction": 0.0}
     acco_metrics = [{"step": s, "micro_batches": gas, "micro_batches_global": gas * world, "comm_s": 1.0,
@@ -130,6 +132,13 @@ def _raw(gas=4, steps=5, world=2):
                                                mbs_per_step=[10] * steps)] * world},
         {"variant": "dpu", "ranks": [_rank("dpu", gas, steps, step_s=0.5, metrics=acco_metrics)] * world},
     ]
+    if fsdp:
+        runs += [
+            {"variant": "fsdp_stock", "ranks": [_rank("fsdp_stock", gas, steps, step_s=1.2, drained_last=False)]
+             * world},
+            {"variant": "fsdp_fixed", "ranks": [_rank("fsdp_fixed", gas, steps, step_s=0.8, metrics=acco_metrics)]
+             * world},
+        ]
     spec = {"world": world, "gas": gas, "micro_batch": 4, "seq_len": 32, "steps": steps, "dynamic_min": None}
     return {"spec": spec, "probe": [probe_rank] * world, "runs": runs, "label": "synthetic", "rate": "1gbit",
             "cores": 16}
@@ -172,6 +181,46 @@ def test_summarize_bookkeeping():
     assert v["fixed"]["compute_busy"] == pytest.approx(0.4)  # 4 x 0.1 s per 1 s step
 
 
+def test_summarize_compares_fsdp_variants_with_stock_fsdp():
+    s = runner.summarize(_raw(fsdp=True), runner.ABSpec(warmup=1))
+    v = s["variants"]
+    assert v["fsdp_stock"]["framework"] == "fsdp2" and v["fsdp_stock"]["mode"] == "stock"
+    assert v["fsdp_fixed"]["baseline"] == "fsdp_stock" and v["fixed"]["baseline"] == "stock"
+    assert v["fsdp_fixed"]["speedup_step"] == pytest.approx(1.2 / 0.8)
+    assert v["fsdp_stock"]["speedup_step"] == pytest.approx(0.9 / 1.2)  # stock FSDP2 vs stock ZeRO-1
+    # stock FSDP2 communicates in the first forward and the last backward: neither counts as compute
+    assert v["fsdp_stock"]["compute_in_loop_s"] == pytest.approx(0.4)
+    assert v["fsdp_stock"]["exposed_comm_s"] == pytest.approx(0.8)
+    assert v["fsdp_fixed"]["ideal_step_s"] == pytest.approx(1.0)  # a two-round mode, like fixed
+    assert v["fsdp_fixed"]["predicted_step_s"] == v["fixed"]["predicted_step_s"]
+    assert {p["mode"] for p in s["validation"]["points"]} == {"stock", "fixed", "dpu", "dynamic"}
+    # FSDP2 variants without stock FSDP2: compared with stock ZeRO-1
+    raw = _raw(fsdp=True)
+    raw["runs"] = [r for r in raw["runs"] if r["variant"] != "fsdp_stock"]
+    assert runner.summarize(raw, runner.ABSpec(warmup=1))["variants"]["fsdp_fixed"]["speedup_step"] == \
+        pytest.approx(0.9 / 0.8)
+
+
+def test_boundary_positions():
+    assert runner.boundary_positions("stock", 4) == {3}
+    assert runner.boundary_positions("fsdp_stock", 4) == {0, 3}
+    assert runner.boundary_positions("fsdp_fixed", 4) == set() == runner.boundary_positions("dynamic", 4)
+
+
+def test_variant_lists_and_unknown_variants():
+    from ds_acco.bench.__main__ import main, parse_variants
+    assert parse_variants("stock,fsdp") == ("stock", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
+    assert parse_variants("all") == worker_variants()
+    with pytest.raises(ValueError, match="fsdp_acco"):
+        runner.ABSpec(variants=("stock", "fsdp_acco"))
+    assert main(["ab", "--network", "loopback", "--variants", "stock,fixd"]) == 2
+
+
+def worker_variants():
+    from ds_acco.bench import worker
+    return worker.VARIANTS
+
+
 def test_spec_names_and_worker_spec(tmp_path):
     spec = runner.ABSpec(world=2, rate="1gbit,100mbit", gas=16, slow_rank=1, slow_factor=2)
     assert spec.name() == "w2-1gbit-100mbit-gas16-slow1x2"
@@ -194,6 +243,8 @@ def test_variant_configs_differ_only_in_the_acco_block():
         rest = {k: v for k, v in c.items() if k != "acco"}
         assert rest == cfgs["stock"]
         assert c["gradient_accumulation_steps"] == 16
+    for v in worker.FSDP_VARIANTS:  # same JSON for both frameworks
+        assert cfgs[v] == cfgs[worker.mode_of(v)]
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -326,14 +377,21 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
         assert 0.02 < r["gbit_per_s"] < 0.11, r  # shaped to 0.1 Gbit/s
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in left
-    # the A/B runner end to end on the cluster: a tiny model, two variants, two steps
+    # the A/B runner end to end on the cluster: a tiny model, both frameworks, three steps
     out = subprocess.run([sys.executable, "-m", "ds_acco.bench", "ab", "--network", "emulated", "--rate", "1gbit",
-                          "--gas", "2", "--steps", "3", "--variants", "stock,fixed", "--n-embd", "32", "--n-layer",
+                          "--gas", "2", "--steps", "3", "--variants", "stock,fixed,fsdp_stock,fsdp_fixed",
+                          "--n-embd", "32", "--n-layer",
                           "1", "--n-head", "2", "--seq-len", "16", "--out", str(tmp_path), "--prefix", prefix,
                           "--timeout", "150", "--label", "tiny"],
                          capture_output=True, text=True, env=env, timeout=200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.load(open(tmp_path / "tiny.json"))
-    assert summary["network"] == "emulated" and set(summary["variants"]) == {"stock", "fixed"}
-    assert all(v["step_s"] > 0 for v in summary["variants"].values())
+    v = summary["variants"]
+    assert summary["network"] == "emulated" and set(v) == {"stock", "fixed", "fsdp_stock", "fsdp_fixed"}
+    assert all(x["step_s"] > 0 for x in v.values())
+    # same model, data, seed and optimizer: each FSDP2 run matches its DeepSpeed twin's loss
+    for a, b in (("stock", "fsdp_stock"), ("fixed", "fsdp_fixed")):
+        assert v[b]["final_heldout"] == pytest.approx(v[a]["final_heldout"], rel=1e-4), (a, b)
+        assert [p["loss"] for p in v[b]["train_curve"]] == pytest.approx([p["loss"] for p in v[a]["train_curve"]],
+                                                                          rel=1e-4)
     assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -37,7 +37,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     if not probe_only:
         p.add_argument("--steps", type=int, default=6, help="committed steps per variant, warm-up included")
         p.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings")
-        p.add_argument("--variants", default="stock,fixed,dynamic,dpu", help="comma-separated, run in this order")
+        p.add_argument("--variants", default="stock,fixed,dynamic,dpu", help="comma-separated, run in this order: stock, fixed, dynamic, dpu (DeepSpeed) and fsdp_stock, "
+                       "fsdp_fixed, fsdp_dynamic, fsdp_dpu (FSDP2); 'deepspeed', 'fsdp' or 'all' for a group")
         p.add_argument("--repeat", type=int, default=1, help="run the variant list this many times (alternating)")
         p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end)")
         p.add_argument("--eval-batches", type=int, default=4, help="held-out batches of 16 sequences per rank")
@@ -50,6 +51,17 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
         p.add_argument("--label", default=None, help="file name stem of this run's outputs")
 
 
+def parse_variants(text: str) -> tuple:
+    """``stock,fixed,...``; ``all`` = every variant, ``deepspeed`` / ``fsdp`` = one framework's four."""
+    from .worker import DS_VARIANTS, FSDP_VARIANTS, VARIANTS
+    groups = {"all": VARIANTS, "deepspeed": DS_VARIANTS, "fsdp": FSDP_VARIANTS}
+    out = []
+    for v in (v.strip() for v in text.split(",")):
+        if v:
+            out += groups.get(v, (v,))
+    return tuple(out)
+
+
 def _spec(a, **over) -> runner.ABSpec:
     kw = dict(world=a.world, rate=a.rate, network=a.network, gas=a.gas, micro_batch=a.micro_batch,
               seq_len=a.seq_len, n_embd=a.n_embd, n_layer=a.n_layer, n_head=a.n_head, base_config=a.config,
@@ -60,7 +72,7 @@ def _spec(a, **over) -> runner.ABSpec:
         if hasattr(a, k):
             kw[k] = getattr(a, k)
     if hasattr(a, "variants"):
-        kw["variants"] = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+        kw["variants"] = parse_variants(a.variants)
     kw.update(over)
     return runner.ABSpec(**kw)
 
@@ -160,6 +172,9 @@ def main(argv=None) -> int:
     except cluster.LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    except ValueError as exc:  # bad arguments (e.g. an unknown variant)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

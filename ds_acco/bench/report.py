@@ -11,8 +11,10 @@ import math
 import os
 from typing import Dict, List, Sequence
 
-ORDER = ("stock", "fixed", "dynamic", "dpu")
-LABELS = {"stock": "stock ZeRO-1", "fixed": "ACCO fixed", "dynamic": "ACCO dynamic", "dpu": "DPU"}
+ORDER = ("stock", "fixed", "dynamic", "dpu", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
+LABELS = {"stock": "stock ZeRO-1", "fixed": "ACCO fixed", "dynamic": "ACCO dynamic", "dpu": "DPU",
+          "fsdp_stock": "stock FSDP2", "fsdp_fixed": "FSDP2 ACCO fixed", "fsdp_dynamic": "FSDP2 ACCO dynamic",
+          "fsdp_dpu": "FSDP2 DPU"}
 
 
 def _fmt(v, spec: str = ".3f", none: str = "–") -> str:
@@ -31,11 +33,13 @@ def ordered(variants: Dict[str, dict]) -> List[str]:
 
 def markdown_table(summary: dict) -> str:
     """One row per variant: the figures the issue asks for."""
-    head = ("| variant | step s (median) | spread p25–p75 | tokens/s | × stock | compute s | exposed comm s | "
+    head = ("| variant | step s (median) | spread p25–p75 | tokens/s | × its stock | compute s | exposed comm s | "
             "overlap eff. | vs ideal | busy | peak mem Δ MiB | held-out | gap | pred. step s |")
     lines = [f"**{summary['label']}** — {summary['world']} ranks, gradient_accumulation_steps {summary['gas']}, "
              f"{summary['rate']}, {summary['n_params'] / 1e6:.1f}M params, "
-             f"{summary['steps'] - summary['warmup']} timed steps after {summary['warmup']} warm-up",
+             f"{summary['steps'] - summary['warmup']} timed steps after {summary['warmup']} warm-up"
+             + ("; FSDP2 variants are compared with stock FSDP2 (× its stock), the others with stock ZeRO-1"
+                if any(k.startswith("fsdp_") for k in summary["variants"]) else ""),
              "", head, "|" + "---|" * (head.count("|") - 1)]
     for k in ordered(summary["variants"]):
         v = summary["variants"][k]
@@ -134,7 +138,7 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     paths.append(path)
     # measured vs predicted speedup (tokens/s ratio to stock)
     fig, ax = plt.subplots(figsize=(6, 4))
-    others = [k for k in names if k != "stock"]
+    others = [k for k in names if variants[k].get("speedup_tokens") is not None]
     meas = [variants[k].get("speedup_tokens") or 0.0 for k in others]
     pred = [variants[k].get("predicted_speedup_tokens") or 0.0 for k in others]
     xs = range(len(others))
@@ -142,7 +146,7 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     ax.bar([x + 0.2 for x in xs], pred, width=0.4, label="predicted (advisor)")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(list(xs), [LABELS.get(k, k) for k in others], fontsize=8)
-    ax.set_ylabel("tokens/s relative to stock ZeRO-1")
+    ax.set_ylabel("tokens/s relative to its stock baseline")
     ax.set_title(f"{label}: measured vs predicted speedup")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -183,6 +187,8 @@ def write_matrix(summaries: Sequence[dict], out_dir: str) -> List[str]:
     fig, ax = plt.subplots(figsize=(5, 5))
     for mode in ORDER:
         ps = [p for p in val["points"] if p["mode"] == mode]
+        if not ps:
+            continue
         ax.scatter([p["measured_step_s"] for p in ps], [p["predicted_step_s"] for p in ps], label=LABELS[mode])
     hi = max([p["measured_step_s"] for p in val["points"]] + [p["predicted_step_s"] for p in val["points"]] + [1])
     ax.plot([0, hi], [0, hi], color="gray", lw=0.8)

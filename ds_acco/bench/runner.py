@@ -18,6 +18,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from . import advisor, cluster
+from .worker import VARIANTS, is_fsdp, mode_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(REPO, "ds_configs", "zero1.json")
@@ -55,6 +56,13 @@ class ABSpec:
     prefix: str = "accob"
     subnet: int = 0
     label: Optional[str] = None
+
+    def __post_init__(self):
+        self.variants = tuple(self.variants)
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad:
+            raise ValueError(f"variants {bad}: unknown; use any of {', '.join(VARIANTS)} (or 'all', 'fsdp' on the "
+                             "command line)")
 
     def resolved_network(self) -> str:
         if self.network == "auto":
@@ -157,17 +165,34 @@ def step_tokens(run: dict, world: int, gas: int, tokens_per_mb: int) -> Dict[int
     commit round counted)."""
     rank0 = run["ranks"][0]
     n = len(rank0["commits"])
-    if run["variant"] == "dynamic" and rank0["acco_metrics"]:
+    if mode_of(run["variant"]) == "dynamic" and rank0["acco_metrics"]:
         by_step = {m["step"]: m["micro_batches_global"] * tokens_per_mb for m in rank0["acco_metrics"]}
         return {s: by_step.get(s, gas * world * tokens_per_mb) for s in range(1, n + 1)}
     return {s: gas * world * tokens_per_mb for s in range(1, n + 1)}
 
 
-def rank_busy(rank: dict, warmup: int, gas: int, stock: bool) -> Optional[float]:
+def boundary_positions(variant: str, gas: int) -> set:
+    """Micro-batch positions (index mod ``gas``) whose measured forward+backward includes the
+    stock baseline's communication: ZeRO-1 reduces inside the last backward; FSDP2 also gathers
+    the parameters in the first forward after the optimizer step. ACCO variants: none."""
+    if mode_of(variant) != "stock":
+        return set()
+    return {gas - 1, 0} if is_fsdp(variant) and gas > 2 else {gas - 1}
+
+
+def inner_compute(rank: dict, gas: int, variant: str, lo: int = 0, hi: Optional[int] = None) -> List[float]:
+    """Forward+backward times of the micro-batches in ``[lo, hi)`` that carry no communication."""
+    skip = boundary_positions(variant, gas)
+    xs = rank["mb_compute_s"]
+    hi = len(xs) if hi is None else hi
+    return [c for i, c in enumerate(xs) if lo <= i < hi and i % gas not in skip]
+
+
+def rank_busy(rank: dict, warmup: int, gas: int, variant: str) -> Optional[float]:
     """Fraction of the steady window's wall time this rank spent computing (forward+backward).
 
-    Stock ZeRO-1 reduces inside the boundary micro-batch's backward, so there its compute is
-    the median of the other micro-batches times their count."""
+    The stock baselines communicate inside some micro-batches (:func:`boundary_positions`), so
+    there the compute is the median of the other micro-batches times their count."""
     commits = [c for c in rank["commits"] if not c["drained"]]
     if len(commits) <= warmup + 1:
         return None
@@ -178,8 +203,8 @@ def rank_busy(rank: dict, warmup: int, gas: int, stock: bool) -> Optional[float]
     comp = rank["mb_compute_s"][lo:hi]
     if window <= 0 or not comp:
         return None
-    if stock:
-        inner = [c for i, c in enumerate(rank["mb_compute_s"]) if i % gas != gas - 1 and lo <= i < hi]
+    if mode_of(variant) == "stock":
+        inner = inner_compute(rank, gas, variant, lo, hi)
         total = (statistics.median(inner) if inner else statistics.median(comp)) * len(comp)
     else:
         total = sum(comp)
@@ -253,7 +278,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             if steady:
                 tps.append(sum(tokens[c["step"]] for c in steady) / sum(c["step_time_s"] for c in steady))
             tokens_per_step += [tokens[c["step"]] for c in steady]
-            busy += [b for b in (rank_busy(r, warmup, gas, name == "stock") for r in run["ranks"]) if b is not None]
+            busy += [b for b in (rank_busy(r, warmup, gas, name) for r in run["ranks"]) if b is not None]
             mem += [r["peak_rss_delta"] for r in run["ranks"] if r["peak_rss_delta"] is not None]
             steady_ids = {c["step"] for c in steady}
             for m in r0["acco_metrics"]:
@@ -264,11 +289,12 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             curves.append(loss_curve(run, tokens))
             held.append(heldout_curve(run, tokens))
         med_step = _median(steps)
-        if name == "stock":  # compute inside the loop: median non-boundary micro-batch, slowest rank
+        mode = mode_of(name)
+        if mode == "stock":  # compute inside the loop: median non-boundary micro-batch, slowest rank
             inner = []
             for run in runs:
                 for r in run["ranks"]:
-                    xs = [c for i, c in enumerate(r["mb_compute_s"]) if i % gas != gas - 1]
+                    xs = inner_compute(r, gas, name)
                     if xs:
                         inner.append(statistics.median(xs))
             loop_compute = gas * max(inner) if inner else None
@@ -278,13 +304,17 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             exp = _median(exposed)
         mb_per_rank = _median(mbs) if mbs else gas
         t_compute = probe.micro_batch_s * (mb_per_rank or gas)
-        rounds = {"stock": 1, "dpu": 1}.get(name, 2)
+        rounds = {"stock": 1, "dpu": 1}.get(mode, 2)
         t_comm_iso = rounds * probe.round_s
         overlap = None
-        if name != "stock" and med_step:
+        if mode != "stock" and med_step:
             overlap = (t_compute + t_comm_iso - med_step) / min(t_compute, t_comm_iso)
-        ideal = max(t_compute, t_comm_iso) if name in ("fixed", "dpu") else None
+        ideal = max(t_compute, t_comm_iso) if mode in ("fixed", "dpu") else None
+        pred = preds.get(mode)
         variants[name] = {
+            "mode": mode, "framework": "fsdp2" if is_fsdp(name) else "deepspeed",
+            "baseline": None if mode == "stock" else ("fsdp_stock" if is_fsdp(name) and "fsdp_stock" in grouped
+                                                      else "stock"),
             "runs": len(runs), "step_s": med_step, "step_spread": _spread(steps), "tokens_per_s": _median(tps),
             "tokens_per_step": _median(tokens_per_step), "micro_batches_per_rank": mb_per_rank,
             "compute_probe_s": t_compute, "compute_in_loop_s": loop_compute, "exposed_comm_s": exp,
@@ -293,18 +323,21 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             "compute_busy": _median(busy), "peak_mem_delta_bytes": max(mem) if mem else None,
             "train_curve": curves[0], "heldout_curve": held[0],
             "final_heldout": held[0][-1]["loss"] if held[0] else None,
-            "predicted_step_s": preds[name].step_s if name in preds else None,
-            "predicted_tokens_per_s": preds[name].tokens_per_s if name in preds else None,
+            "predicted_step_s": pred.step_s if pred is not None else None,
+            "predicted_tokens_per_s": pred.tokens_per_s if pred is not None else None,
         }
-    stock = variants.get("stock")
+    # Each variant is compared with the stock run of its own framework (FSDP2 ones with stock FSDP2
+    # when it ran, else with stock ZeRO-1); the loss target is stock ZeRO-1's (else stock FSDP2's).
+    ref = variants.get("stock") or variants.get("fsdp_stock")
     target = spec.target_loss if spec is not None and spec.target_loss is not None else (
-        stock["final_heldout"] * 1.01 if stock and stock["final_heldout"] is not None else None)
+        ref["final_heldout"] * 1.01 if ref and ref["final_heldout"] is not None else None)
     for name, v in variants.items():
         v["time_to_target_s"] = time_to_target(v["heldout_curve"], target)
+        stock = variants.get(v["baseline"] or ("stock" if name == "fsdp_stock" else ""))
         if stock and stock["step_s"] and v["step_s"]:
             v["speedup_step"] = stock["step_s"] / v["step_s"]
             v["speedup_tokens"] = (v["tokens_per_s"] / stock["tokens_per_s"]) if stock["tokens_per_s"] else None
-            p = preds.get(name)
+            p = preds.get(v["mode"])
             if p is not None:
                 v["predicted_speedup_tokens"] = p.tokens_per_s / preds["stock"].tokens_per_s
             if stock["peak_mem_delta_bytes"] is not None and v["peak_mem_delta_bytes"] is not None:
@@ -313,7 +346,8 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
                 v["heldout_gap"] = v["final_heldout"] / stock["final_heldout"] - 1.0
     advice = advisor.advise(probe, gas)
     points = [{"label": raw.get("label", ""), "mode": k, "measured_step_s": v["step_s"],
-               "predicted_step_s": v["predicted_step_s"]} for k, v in variants.items() if k != "dynamic"]
+               "predicted_step_s": v["predicted_step_s"]} for k, v in variants.items() if k in VARIANTS and k != "dynamic"
+              and not is_fsdp(k)]  # the advisor models DeepSpeed's collectives
     if "dynamic" in variants and variants["dynamic"]["tokens_per_s"]:
         d = variants["dynamic"]  # dynamic steps vary in size: compare time per token instead
         points.append({"label": raw.get("label", ""), "mode": "dynamic",

@@ -30,7 +30,18 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-VARIANTS = ("stock", "fixed", "dynamic", "dpu")
+DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu")
+FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
+VARIANTS = DS_VARIANTS + FSDP_VARIANTS
+
+
+def mode_of(variant: str) -> str:
+    """The schedule a variant runs ('stock', 'fixed', 'dynamic' or 'dpu'), whatever the framework."""
+    return variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
+
+
+def is_fsdp(variant: str) -> bool:
+    return variant.startswith("fsdp_")
 
 
 # -- model ---------------------------------------------------------------------------------------
@@ -64,7 +75,12 @@ def build_model(spec: dict) -> CausalLM:
 
 # -- configs -------------------------------------------------------------------------------------
 def variant_config(base: dict, variant: str, spec: dict) -> dict:
-    """The DeepSpeed config of one variant: the base config, with or without an ``acco`` block."""
+    """The DeepSpeed config of one variant: the base config, with or without an ``acco`` block
+    (the FSDP variants read the same JSON: its ``acco`` block, accumulation, clipping and the
+    AdamW settings of its ``optimizer`` block)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+    variant = mode_of(variant)
     cfg = copy.deepcopy(base)
     cfg.pop("acco", None)
     cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
@@ -85,6 +101,159 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
     return cfg
+
+
+# -- trainers: one interface over DeepSpeed, stock FSDP2 and AccoFSDP ------------------------------
+class DeepSpeedTrainer:
+    """Stock ZeRO-1 (``ds_acco.initialize`` without an ``acco`` block is plain
+    ``deepspeed.initialize``) or ACCO / DPU on DeepSpeed."""
+
+    fsdp = False
+
+    def __init__(self, model: torch.nn.Module, cfg: dict):
+        import ds_acco
+        self.engine, _, _, _ = ds_acco.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+        self.module = self.engine.module
+        self.acco = getattr(self.engine.optimizer, "schedule", None) is not None
+
+    def __call__(self, rows):
+        return self.engine(rows)
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    def committed_weights(self):
+        import ds_acco
+        return ds_acco.committed_weights(self.engine)
+
+    def metrics_history(self) -> List[dict]:
+        return list(self.engine.acco_metrics_history) if self.acco else []
+
+    def close(self):
+        self.engine.destroy()
+
+
+def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2's usual recipe (``fully_shard`` each transformer block, then the root) on a 1-D CPU
+    mesh, with ``reshard_after_forward=False``: parameters are gathered once per optimizer step,
+    the same traffic as ZeRO-1 (one reduce-scatter and one all-gather of the model per step)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.lm.transformer.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model
+
+
+def fsdp_adamw(model: torch.nn.Module, cfg: dict) -> torch.optim.AdamW:
+    """torch AdamW over FSDP's sharded parameters with the settings of the config's optimizer
+    block (the DeepSpeed variants build the same optimizer from it, ``torch_adam``)."""
+    opt = cfg.get("optimizer") or {}
+    if opt and str(opt.get("type", "")).lower() not in ("adamw", "adam"):
+        raise ValueError(f"optimizer.type = {opt.get('type')!r}: the FSDP variants build torch AdamW; fix: use an "
+                         "AdamW optimizer block or run the DeepSpeed variants only")
+    p = dict(opt.get("params") or {})
+    return torch.optim.AdamW(param_groups(model), lr=p.get("lr", 1e-3), betas=tuple(p.get("betas", (0.9, 0.999))),
+                             eps=p.get("eps", 1e-8), weight_decay=p.get("weight_decay", 0.01))
+
+
+class StockFSDPTrainer:
+    """Stock FSDP2 with gradient accumulation: gradient sync (reduce-scatter) and resharding only
+    on the last micro-batch of each step, then clipping and the optimizer step on the shards."""
+
+    fsdp = True
+    acco = False
+
+    def __init__(self, model: torch.nn.Module, cfg: dict):
+        if cfg.get("scheduler"):
+            raise ValueError("the FSDP variants do not build the config's \"scheduler\" block; fix: remove it "
+                             "from the base config (or run the DeepSpeed variants only)")
+        self.module = shard_fsdp(model)
+        self.optimizer = fsdp_adamw(model, cfg)
+        self.gas = cfg["gradient_accumulation_steps"]
+        self.clip = float(cfg.get("gradient_clipping") or 0.0)
+        self.micro = 0
+        self.global_steps = 0
+
+    def __call__(self, rows):
+        last = self.micro % self.gas == self.gas - 1
+        self.module.set_requires_gradient_sync(last)
+        self.module.set_reshard_after_backward(last)  # the next step's forward gathers the new shards
+        return self.module(rows)
+
+    def backward(self, loss):
+        (loss / self.gas).backward()
+
+    def step(self):
+        self.micro += 1
+        if self.micro % self.gas == 0:
+            if self.clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.global_steps += 1
+
+    def committed_weights(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def metrics_history(self) -> List[dict]:
+        return []
+
+    def close(self):
+        pass
+
+
+class AccoFSDPTrainer:
+    """ACCO / DPU on the same FSDP2 model (:class:`ds_acco.fsdp.AccoFSDP`)."""
+
+    fsdp = True
+    acco = True
+
+    def __init__(self, model: torch.nn.Module, cfg: dict):
+        from ds_acco.fsdp import AccoFSDP
+        if cfg.get("scheduler"):
+            raise ValueError("the FSDP variants do not build the config's \"scheduler\" block; fix: remove it "
+                             "from the base config (or run the DeepSpeed variants only)")
+        self.module = shard_fsdp(model)
+        self.acco_fsdp = AccoFSDP(self.module, fsdp_adamw(model, cfg), cfg)
+
+    def __call__(self, rows):
+        return self.module(rows)
+
+    def backward(self, loss):
+        self.acco_fsdp.backward(loss)
+
+    def step(self):
+        self.acco_fsdp.step()
+
+    @property
+    def global_steps(self) -> int:
+        return self.acco_fsdp.global_steps
+
+    def committed_weights(self):
+        import ds_acco
+        return ds_acco.committed_weights(self.acco_fsdp)
+
+    def metrics_history(self) -> List[dict]:
+        return self.acco_fsdp.metrics_history
+
+    def close(self):
+        self.acco_fsdp.close()
+
+
+def make_trainer(variant: str, model: torch.nn.Module, cfg: dict):
+    if not is_fsdp(variant):
+        return DeepSpeedTrainer(model, cfg)
+    return StockFSDPTrainer(model, cfg) if mode_of(variant) == "stock" else AccoFSDPTrainer(model, cfg)
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -193,7 +362,6 @@ def heldout_loss(module: torch.nn.Module, batches) -> float:
 def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_rows, rank: int, world: int,
                 say) -> dict:
     """Train one variant for ``spec['steps']`` committed steps; this rank's raw records."""
-    import ds_acco
     from ds_acco.data import heldout_batches, micro_batches
 
     cfg = variant_config(base_cfg, variant, spec)
@@ -201,8 +369,8 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
     slow = spec.get("slow_factor", 1.0) if rank == spec.get("slow_rank", -1) else 1.0
     baseline_rss = reset_peak_rss()
     model = build_model(spec)
-    engine, _, _, _ = ds_acco.initialize(model=model, model_parameters=param_groups(model), config=cfg)
-    acco = getattr(engine.optimizer, "schedule", None) is not None
+    engine = make_trainer(variant, model, cfg)
+    acco = engine.acco
     stream = micro_batches(train_rows, spec["micro_batch"], rank, world, spec["seed"])
     evals = heldout_batches(heldout_rows, spec.get("eval_batch", 16), rank, world)[:spec.get("eval_batches", 4)]
     dist.barrier()
@@ -226,7 +394,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
                 say(f"[{variant}] step {state['seen']}/{steps}  {dt:.3f}s" + ("  (drained)" if drained else ""))
 
     def evaluate() -> None:
-        with ds_acco.committed_weights(engine):
+        with engine.committed_weights():
             note_commits(time.perf_counter(), drained=True)
             loss = heldout_loss(engine.module, evals)
         heldout.append({"step": engine.global_steps, "loss": loss, "train_s": state["train_s"]})
@@ -236,7 +404,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
 
     eval_every = spec.get("eval_every", 0)
     next_eval = eval_every
-    dynamic = variant == "dynamic"
+    dynamic = mode_of(variant) == "dynamic"
     cap = steps * gas * max(4, spec.get("dynamic_max") or 256)
     i = 0
     t_start = time.perf_counter()
@@ -260,12 +428,14 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
             next_eval = (engine.global_steps // eval_every + 1) * eval_every
     evaluate()  # drains: the last steps commit here
     wall = time.perf_counter() - t_start
-    metrics = list(engine.acco_metrics_history) if acco else []
+    metrics = engine.metrics_history()
     peak = peak_rss()
-    engine.destroy()
+    fsdp = engine.fsdp
+    engine.close()
     del engine, model
     gc.collect()
-    return {"variant": variant, "acco": acco, "committed": len(commits), "micro_batches": i,
+    return {"variant": variant, "mode": mode_of(variant), "fsdp": fsdp, "acco": acco,
+            "committed": len(commits), "micro_batches": i,
             "mb_loss": mb_loss, "mb_compute_s": mb_compute, "mb_step": mb_step, "commits": commits,
             "heldout": heldout, "acco_metrics": [_plain(m) for m in metrics], "wall_s": wall,
             "peak_rss_delta": None if peak is None or baseline_rss is None else peak - baseline_rss,
@@ -322,8 +492,9 @@ def main(argv=None) -> None:
         # allocator arenas) then do not land in the first measured variant's peak memory.
         if rank == 0:
             say("warm-up: one untimed stock step (keeps one-off allocations out of the memory figures)")
-        run_variant("stock", {**spec, "steps": 1, "eval_batches": 1}, base_cfg, train_rows, heldout_rows, rank,
-                    world, lambda msg: None)
+        first = "fsdp_stock" if all(is_fsdp(v) for v in spec["variants"]) else "stock"
+        run_variant(first, {**spec, "steps": 1, "eval_batches": 1}, base_cfg, train_rows, heldout_rows, rank, world,
+                    lambda msg: None)
         dist.barrier()
     runs = []
     order = [v for _ in range(spec.get("repeat", 1)) for v in spec["variants"]]
