@@ -7,7 +7,7 @@
 
 ``check`` validates the ``"acco"`` block (every key, with its default when absent) and, when ACCO is
 enabled, the DeepSpeed settings it depends on (ZeRO stage, an even ``gradient_accumulation_steps``
-in mode ``acco``, fp16, bf16 with fp32 accumulation, offload...), through DeepSpeed's own config
+in mode ``acco``, fp16 loss-scaling options, bf16 with fp32 accumulation, offload...), through DeepSpeed's own config
 parser, without starting any process group. The JSON goes to stdout, notes and errors to stderr.
 """
 from __future__ import annotations

@@ -188,21 +188,29 @@ def acco_config_of(ds_config: Optional[Mapping[str, Any]]) -> AccoConfig:
     return AccoConfig.from_block((ds_config or {}).get(ACCO_KEY))
 
 
-def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int, fp16: bool = False) -> None:
-    """Checks every adapter shares: the accumulation count fits the mode; no fp16 loss scaling."""
+def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int,
+                          fp16_dynamic_loss_scale: bool = False) -> None:
+    """Checks every adapter shares: the accumulation count fits the mode; overflows are skipped
+    (not raised) under fp16 dynamic loss scaling."""
     gas = gradient_accumulation_steps
     if acco.mode == "acco" and (gas < 2 or gas % 2):
         raise ValueError(f"gradient_accumulation_steps = {gas}: acco.mode 'acco' splits each optimizer step into "
                          "two equal halves (estimate, commit), so it needs an even value >= 2; fix: set "
                          f"gradient_accumulation_steps to {max(2, gas + gas % 2)} or use \"mode\": \"dpu\"")
-    if fp16:
-        raise ValueError("fp16.enabled = true: fp16 loss scaling is not supported by this version of ds_acco; "
-                         "fix: use \"bf16\": {\"enabled\": true} or fp32")
+    if fp16_dynamic_loss_scale and acco.nonfinite == "raise":
+        raise ValueError("acco.nonfinite = 'raise' with fp16 dynamic loss scaling (fp16.loss_scale = 0): overflows "
+                         "are how the dynamic scaler finds its scale (the step is skipped and the scale halved), so "
+                         "raising would stop the run at the first one; fix: set acco.nonfinite to 'skip', or a "
+                         "static fp16.loss_scale > 0")
 
 
 def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
     """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
-    check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config.enabled)
+    fp16 = ds.float16_config
+    check_schedule_compat(acco, ds.gradient_accumulation_steps, fp16.enabled and fp16.loss_scale == 0)
+    if fp16.enabled and getattr(fp16, "fp16_master_weights_and_grads", False):
+        raise ValueError("fp16.fp16_master_weights_and_grads = true: ACCO keeps fp32 master shards and accumulates "
+                         "gradients in fp32; fix: remove fp16_master_weights_and_grads or disable acco")
     stage = ds.zero_config.stage if ds.zero_enabled else 0
     if stage != 1:
         raise ValueError(f"zero_optimization.stage = {stage}: ACCO is a ZeRO stage 1 optimizer; fix: set "

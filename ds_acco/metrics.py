@@ -32,7 +32,7 @@ class StepMetrics:
         return [float(last[k]) for k in REPORT_FIELDS]
 
     def on_commit(self, commit: RoundResult, rounds: Iterable[RoundResult], phases: Iterable[PhaseRecord],
-                  lr: Optional[float] = None) -> Dict:
+                  lr: Optional[float] = None, loss_scale: Optional[float] = None) -> Dict:
         """Build the record of the step ``commit`` belongs to, from the schedule's recent rounds
         and phase history."""
         t = commit.step
@@ -68,6 +68,8 @@ class StepMetrics:
             rec["estimate_drift"] = commit.drift
         if lr is not None:
             rec["lr"] = lr
+        if loss_scale is not None:
+            rec["loss_scale"] = loss_scale  # fp16: the scale after this step's update
         if commit.peer_report is not None and commit.peer_report.shape[1] >= len(REPORT_FIELDS):
             prev = commit.peer_report[:, :len(REPORT_FIELDS)]
             if not bool(prev[:, 0].isnan().any()):  # a rank had no committed step yet
@@ -99,4 +101,8 @@ def format_line(record: Dict) -> str:
         parts.append(f"drift {record['estimate_drift']:.3f}")
     if math.isfinite(record["step_time_s"]):
         parts.append(f"step {record['step_time_s']:.3f}s")
+    if record.get("skipped"):
+        parts.append("SKIPPED (non-finite gradient)")
+    if "loss_scale" in record:
+        parts.append(f"loss scale {record['loss_scale']:g}")
     return " | ".join(parts)

@@ -22,7 +22,8 @@ def sharded_tiny(mp: bool = False):
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp
+    low = {True: torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
+    policy = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
               else MixedPrecisionPolicy())
     model = TinyNet(seed=0)
     for layer in (model.fc1, model.fc2):
@@ -41,7 +42,7 @@ def build(case):
     model = sharded_tiny(case.get("mp", False))
     opt = make_optimizer(case["optimizer"])(model)
     sched = make_scheduler(case.get("schedule"))
-    cfg = ds_config(case.get("gas", 4), case["acco"], clip=case.get("clip", 0.0))
+    cfg = ds_config(case.get("gas", 4), case["acco"], clip=case.get("clip", 0.0), **case.get("extra", {}))
     acco = AccoFSDP(model, opt, cfg, lr_scheduler=sched(opt) if sched else None)
     return model, acco
 
@@ -110,6 +111,27 @@ def checkpoint_runs(case, ckpt_dir, save_at, total):
     return out
 
 
+def fp16_run(case):
+    """AccoFSDP with fp16 compute and DeepSpeed's dynamic loss scaler: per micro-batch the loss
+    scale, every round's skip flag, and the committed θ at the end."""
+    model, acco = build(case)
+    gas, scales, rounds = case.get("gas", 4), [], {}
+
+    def note(i):
+        scales.append(acco.loss_scale)
+        for r in acco.schedule.recent_rounds:
+            rounds[(r.kind.value, r.step)] = r.skipped
+    feed(model, acco, 0, gas * case["steps"], on_micro_batch=note)
+    with ds_acco.committed_weights(acco):
+        final = live_snapshot(model)
+    note(None)
+    out = {"final": final, "skipped_steps": acco.skipped_steps, "global_steps": acco.global_steps,
+           "loss_scales": scales, "rounds": sorted(rounds.items()), "metrics": acco.metrics_history,
+           "param_dtype": str(next(iter(model.parameters())).dtype)}
+    acco.close()
+    return out
+
+
 def config_errors():
     """AccoFSDP with bad settings: the error messages."""
     from ds_acco.fsdp import AccoFSDP
@@ -118,7 +140,7 @@ def config_errors():
         "unknown_key": (ds_config(4, {"enabled": True, "mdoe": "acco"}), "sgd"),
         "bad_mode": (ds_config(4, {"enabled": True, "mode": "zero"}), "sgd"),
         "disabled": (ds_config(4, {"enabled": False}), "sgd"),
-        "fp16": (ds_config(4, {"enabled": True}, fp16={"enabled": True}), "sgd"),
+        "fp16": (ds_config(4, {"enabled": True}, fp16={"enabled": True}), "sgd"),  # on an fp32 model
         "wrong_optimizer": (ds_config(4, {"enabled": True}), "other"),
     }
     out = {}
@@ -166,3 +188,11 @@ def everything(ds_cases, fsdp_cases, ckpt_case, ckpt_dir, save_at, total):
     out["ckpt"] = checkpoint_runs(ckpt_case, ckpt_dir, save_at, total)
     out["errors"] = config_errors()
     return out
+
+
+def loss_scaling(ds_cases, fsdp_case):
+    """test_loss_scaling.py's distributed work in one spawn: DeepSpeed cases, then one FSDP2 run."""
+    import workers
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return {"ds": workers.train_cases(ds_cases), "fsdp": fp16_run(fsdp_case)}

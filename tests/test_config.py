@@ -86,7 +86,10 @@ INIT_CASES = [
      ["offload_optimizer.device", "cpu", "fix"]),
     ({"bf16": {"enabled": True}, "acco": {"enabled": True, "estimate_comm_dtype": "fp32"}}, "model",
      ["estimate_comm_dtype", "fp32", "wider", "fix"]),
-    ({"fp16": {"enabled": True}}, "model", ["fp16", "fix"]),
+    ({"fp16": {"enabled": True}, "acco": {"enabled": True, "nonfinite": "raise"}}, "model",
+     ["acco.nonfinite", "raise", "fp16.loss_scale", "fix"]),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "model",
+     ["fp16_master_weights_and_grads", "fix"]),
     ({}, "pipeline", ["PipelineModule", "fix"]),
 ]
 

@@ -11,7 +11,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from ds_acco.config import ACCO_KEY, acco_config_of, check_deepspeed_compat
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
-EXPECTED = {"zero1.json", "acco.json", "dpu.json", "acco_dynamic.json", "acco_bf16.json"}
+EXPECTED = {"zero1.json", "acco.json", "dpu.json", "acco_dynamic.json", "acco_bf16.json", "acco_fp16.json"}
 
 
 def load(path: Path) -> dict:
@@ -41,7 +41,7 @@ def test_stock_baseline_has_no_acco_block():
 
 def test_acco_configs_differ_from_the_baseline_only_where_they_must():
     base = load(CONFIGS[0].parent / "zero1.json")
-    allowed = {ACCO_KEY, "bf16", "communication_data_type"}
+    allowed = {ACCO_KEY, "bf16", "fp16", "communication_data_type"}
     for name in EXPECTED - {"zero1.json"}:
         raw = load(CONFIGS[0].parent / name)
         assert acco_config_of(raw).enabled, name
@@ -56,3 +56,5 @@ def test_specific_settings():
     ds = DeepSpeedConfig(raw)
     assert ds.bfloat16_config.enabled and "data_types" not in raw  # bf16 accumulation: ZeRO-1, not BF16_Optimizer
     assert str(ds.communication_data_type) == "torch.bfloat16"
+    ds = DeepSpeedConfig(load(CONFIGS[0].parent / "acco_fp16.json"))
+    assert ds.float16_config.enabled and ds.float16_config.loss_scale == 0  # dynamic loss scaling

@@ -19,6 +19,11 @@ def train(case: dict, use_ds_acco: bool = True):
     model = TinyNet(seed=0)
     cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0), **case.get("extra", {}))
     init = ds_acco.initialize if use_ds_acco else deepspeed.initialize
+    if case.get("fp16_on_cpu"):
+        # DeepSpeed refuses fp16 where oneDNN lacks fp16 kernels; torch's CPU fp16 kernels run
+        # this tiny model, so the real fp16 path (loss scaler, fp16 weights) can be exercised.
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True
     if case["optimizer"].startswith("ds:"):  # DeepSpeed's config-built optimizer
         cfg["optimizer"] = DS_OPTIMIZERS[case["optimizer"]]
         engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=cfg)
@@ -26,7 +31,10 @@ def train(case: dict, use_ds_acco: bool = True):
         opt = make_optimizer(case["optimizer"])(model)
         sched = make_scheduler(case.get("schedule"))
         engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
+    if case.get("sim_scaler"):
+        install_dynamic_scaler(engine, case["sim_scaler"])
     lane_log = install_gated_lane(engine) if case.get("gated") else None
+    loss_scales, rounds = [], {}
     losses, boundaries, lrs = [], [], []
     probes = {}
     n = case.get("gas", 4) * case["steps"]
@@ -44,19 +52,38 @@ def train(case: dict, use_ds_acco: bool = True):
             lane_log.after_micro_batch(i)
         losses.append(loss.item())
         lrs.append(engine.get_lr()[0])
+        if hasattr(engine.optimizer, "schedule"):
+            loss_scales.append(float(engine.optimizer.loss_scale))
+            for r in engine.optimizer.schedule.recent_rounds:
+                rounds[(r.kind.value, r.step)] = r.skipped
         if i in case.get("probe_at", ()):
             with ds_acco.committed_weights(engine):
                 probes[i] = (engine.global_steps, snapshot(engine.module))
     with ds_acco.committed_weights(engine):
         final = snapshot(engine.module)
         steps = engine.global_steps
+    if hasattr(engine.optimizer, "schedule"):
+        for r in engine.optimizer.schedule.recent_rounds:
+            rounds[(r.kind.value, r.step)] = r.skipped
     if lane_log is not None:
         lane_log.release_all()
     out = {"param_dtype": str(next(engine.module.parameters()).dtype), "skipped_steps": engine.skipped_steps, "losses": losses, "lane_log": lane_log.events if lane_log else None,
            "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
-           "probes": probes, "optimizer": type(engine.optimizer).__name__}
+           "probes": probes, "optimizer": type(engine.optimizer).__name__, "loss_scales": loss_scales,
+           "rounds": sorted(rounds.items()), "metrics": [dict(m) for m in getattr(engine, "acco_metrics_history", [])]}
     engine.destroy()
     return out
+
+
+def install_dynamic_scaler(engine, args: dict) -> None:
+    """Give an fp32 engine DeepSpeed's fp16 dynamic loss scaler (fp16 itself cannot run
+    everywhere): the loss is scaled in backward, G carries the scale, rounds divide it out and
+    the scaler is updated once per committed step -- the fp16 code path, in exact fp32."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    opt = engine.optimizer
+    opt.loss_scaler = DynamicLossScaler(**args)
+    opt.dynamic_loss_scale = True
+    opt.schedule.grads_scale = opt.loss_scale  # nothing accumulated yet: G starts at this scale
 
 
 def train_cases(cases, use_ds_acco=True):
@@ -240,18 +267,24 @@ def train_until_cases(cases):
 def _engine_for(case, use_ds_acco=True):
     import deepspeed
     model = TinyNet(seed=0)
-    cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0))
+    cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0), **case.get("extra", {}))
     opt = make_optimizer(case["optimizer"])(model)
     sched = make_scheduler(case.get("schedule"))
     init = ds_acco.initialize if use_ds_acco else deepspeed.initialize
+    if case.get("fp16_on_cpu"):
+        # DeepSpeed refuses fp16 where oneDNN lacks fp16 kernels; torch's CPU fp16 kernels run
+        # this tiny model, so the real fp16 path (loss scaler, fp16 weights) can be exercised.
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True
     engine, *_ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
     return engine
 
 
 def _feed(engine, rank, start, stop, on_micro_batch=None):
     losses = []
+    dtype = next(engine.module.parameters()).dtype
     for i in range(start, stop):
-        loss = engine(*batch(rank, i))
+        loss = engine(*(t.to(dtype) for t in batch(rank, i)))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -272,8 +305,9 @@ def checkpoint_save_run(case, save_dir, save_at, total):
     with ds_acco.committed_weights(engine):
         final = snapshot(engine.module)
     steps = engine.global_steps
+    scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
     engine.destroy()
-    return {"losses": losses, "final": final, "global_steps": steps}
+    return {"losses": losses, "final": final, "global_steps": steps, "loss_scale": scale}
 
 
 def checkpoint_resume_runs(case, save_dir, save_at, total, use_ds_acco=True):
@@ -291,6 +325,7 @@ def checkpoint_resume_runs(case, save_dir, save_at, total, use_ds_acco=True):
         with ds_acco.committed_weights(engine):
             final = snapshot(engine.module)
         out[i] = {"losses": losses, "final": final, "global_steps": engine.global_steps,
+                  "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
                   "loaded_steps": loaded_steps, "loaded": loaded, "optimizer": type(engine.optimizer).__name__}
         engine.destroy()
     return out

@@ -19,5 +19,8 @@ run --world 2 --rate 1gbit --gas 8 --slow-rank 1 --slow-factor 2   # heterogeneo
 run --world 4 --rate 1gbit --gas 8           # 4 ranks on 2 cores: oversubscribed
 # training quality at equal tokens: longer, held-out loss on committed weights every 5 steps
 run --world 2 --gas 4 --steps 21 --eval-every 5 --eval-batches 8 --variants stock,fixed,dpu --label quality-w2-unshaped-gas4
-python -m ds_acco.bench summarize "$OUT/w*.json" "$OUT/quality*.json" --out "$OUT"
+# both frameworks side by side: stock ZeRO-1 / stock FSDP2 and the ACCO variants of each
+run --world 2 --rate 1gbit --gas 16 --variants all --label fsdp-w2-1gbit-gas16
+run --world 2 --rate 100mbit --gas 4 --variants all --label fsdp-w2-100mbit-gas4
+python -m ds_acco.bench summarize "$OUT/w*.json" "$OUT/quality*.json" "$OUT/fsdp*.json" --out "$OUT"
 echo MATRIX_DONE

@@ -107,6 +107,10 @@ class FlatGroup:
     def zero_grads(self) -> None:
         self.grads.zero_()
 
+    def scale_grads(self, factor: float) -> None:
+        """G ← factor · G (a loss-scale change: a power of two, exact)."""
+        self.grads.mul_(factor)
+
     def export_state(self, swapped: bool) -> dict:
         """G, the live weights and B as the compute lane sees them (CPU copies)."""
         live, comm = (self.comm, self.live) if swapped else (self.live, self.comm)
@@ -224,6 +228,10 @@ class AccoSchedule:
         clip_grad: clip the global mean gradient of each round to this norm (0: off).
         nonfinite: 'skip' a round whose global mean gradient is not finite (no update; the
             estimate falls back to θ) or 'raise' :class:`NonFiniteGradientError`.
+        loss_scale: returns the loss scale the backward passes use now (fp16 dynamic loss
+            scaling; None: 1). G always carries the current scale: when it changes (the caller
+            updates its scaler in ``on_commit``), G is rescaled by the ratio, so a round never
+            mixes scales; each round divides by the scale G carried when it was packed.
         track_drift: measure the estimate drift in commit rounds (keeps the fp32 estimate shard
             from the estimate round to the commit round).
         report: called on the compute lane at each launch; returns a few floats that travel
@@ -238,7 +246,7 @@ class AccoSchedule:
                  rank: int, world: int, mode: str, phases, grad_scale: float = 1.0, clip_grad: float = 0.0,
                  reduce_scatter: bool = False, track_drift: bool = False,
                  report: Optional[Callable[[], Sequence[float]]] = None, history: int = 4096,
-                 nonfinite: str = "skip",
+                 nonfinite: str = "skip", loss_scale: Optional[Callable[[], float]] = None,
                  on_commit: Optional[Callable[[RoundResult], None]] = None):
         if mode not in ("acco", "dpu"):
             raise ValueError(f"mode must be 'acco' or 'dpu', got {mode!r}")
@@ -257,6 +265,8 @@ class AccoSchedule:
         self.nonfinite = nonfinite
         self.report = report
         self.on_commit = on_commit
+        self.loss_scale = loss_scale
+        self.grads_scale = self._current_loss_scale()  # the scale G's content carries
         self.phase = PhaseKind.BOOTSTRAP
         self.step_index = 0  # t: the optimizer step whose data the compute lane is producing
         self.committed_steps = 0
@@ -377,6 +387,7 @@ class AccoSchedule:
             "phase_tally": (self.phase_tally.micro_batches, self.phase_tally.weight),
             "buffer_tally": (self.buffer_tally.micro_batches, self.buffer_tally.weight),
             "micro_batches": self.micro_batches,
+            "grads_scale": self.grads_scale,
             "groups": [g.export_state(self._swapped) for g in self.groups],
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
@@ -400,6 +411,8 @@ class AccoSchedule:
         self.phase_tally = Tally(*state["phase_tally"])
         self.buffer_tally = Tally(*state["buffer_tally"])
         self.micro_batches = state["micro_batches"]
+        self.grads_scale = float(state.get("grads_scale", 1.0))
+        self._sync_grads_scale()  # the restored scaler's scale (the same, unless it was replaced)
         self._decision = None
         device = self.groups[0].comm.device
         self._estimate_shards = (None if state["estimate_shards"] is None else
@@ -425,6 +438,7 @@ class AccoSchedule:
         self.buffer_tally = Tally()
         self._decision = None
         self._estimate_shards = None
+        self.grads_scale = self._current_loss_scale()
         for g in self.groups:
             g.zero_grads()
 
@@ -436,7 +450,25 @@ class AccoSchedule:
             self.lane.close()
 
     # -- internals ------------------------------------------------------------------------
+    def _current_loss_scale(self) -> float:
+        scale = 1.0 if self.loss_scale is None else float(self.loss_scale())
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"loss scale {scale!r}: must be a finite number > 0")
+        return scale
+
+    def _sync_grads_scale(self) -> None:
+        """After a loss-scale change: G ← G · new/old, so it carries the scale the next backward
+        passes will use (compute lane; the round in flight reads B, not G)."""
+        new = self._current_loss_scale()
+        if new != self.grads_scale:
+            if self.buffer_tally.micro_batches:
+                for g in self.groups:
+                    g.scale_grads(new / self.grads_scale)
+            self.grads_scale = new
+
     def _launch(self, kind: RoundKind, clear_grads: bool) -> None:
+        self._sync_grads_scale()
+        scale = self.grads_scale
         for g in self.groups:
             g.pack_grads(clear_grads, kind)
         tally = self.buffer_tally
@@ -444,7 +476,7 @@ class AccoSchedule:
             self.buffer_tally = Tally()
         step = self.step_index
         report = list(self.report()) if self.report is not None else []
-        handle = self.lane.submit(f"{kind.value} {step}", lambda: self._round(kind, step, tally, report))
+        handle = self.lane.submit(f"{kind.value} {step}", lambda: self._round(kind, step, tally, report, scale))
         self._inflight = _InFlight(handle, kind, step)
 
     def _wait(self, inflight: _InFlight) -> RoundResult:
@@ -462,7 +494,8 @@ class AccoSchedule:
             inflight.committed = True
             self.committed_steps += 1
             if self.on_commit is not None:
-                self.on_commit(inflight.result)
+                self.on_commit(inflight.result)  # may update the loss scaler
+            self._sync_grads_scale()
         return inflight.result
 
     def _collect_into_live(self) -> float:
@@ -474,7 +507,8 @@ class AccoSchedule:
         self._inflight = None
         return inflight.wait_s - waited_before
 
-    def _round(self, kind: RoundKind, step: int, local: Tally, report: List[float]) -> RoundResult:
+    def _round(self, kind: RoundKind, step: int, local: Tally, report: List[float],
+               loss_scale: float = 1.0) -> RoundResult:
         """One communication round; runs on the lane. Touches only comm, master and the optimizer."""
         started = time.perf_counter()
         device = self.groups[0].comm.device
@@ -490,7 +524,7 @@ class AccoSchedule:
         if weight <= 0:
             raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "
                                f"(micro-batches per rank: {[t.micro_batches for t in per_rank]})")
-        denom = weight * self.grad_scale
+        denom = weight * self.grad_scale * loss_scale  # G carried ``loss_scale`` when it was packed
         grads = []
         for g in self.groups:
             summed = collectives.reduce_to_shard(g.comm_for(kind), self.rank, self.world, self.group,

@@ -54,7 +54,11 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         model_dtype = init_optimizer.param_groups[0]["params"][0].dtype
         # G accumulates in DeepSpeed's gradient-accumulation dtype (bf16 weights may accumulate
         # in fp32); DeepSpeed itself sees model-dtype gradients so it builds no hooks of its own.
+        # fp16 always accumulates in fp32: G carries the loss scale across a whole optimizer step
+        # (up to 2·A scaled micro-batch gradients) and is rescaled when the scale changes.
         accum_dtype = kwargs.get("gradient_accumulation_dtype") or model_dtype
+        if model_dtype == torch.float16:
+            accum_dtype = torch.float32
         kwargs["gradient_accumulation_dtype"] = model_dtype
         comm_dtype = comm_dtype or accum_dtype
         kwargs["gradient_accumulation_steps"] = gradient_accumulation_steps
@@ -108,7 +112,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             grad_scale=1.0 / gradient_accumulation_steps, clip_grad=self.clip_grad,
             reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
             track_drift=acco_config.metrics.estimate_drift, report=self._report,
-            nonfinite=acco_config.nonfinite, on_commit=self._on_commit)
+            nonfinite=acco_config.nonfinite, loss_scale=lambda: self.loss_scale, on_commit=self._on_commit)
         self._engine_on_commit = on_commit
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
         self.stop_requested = False  # set by a SIGTERM handler; sent to every rank with the next round
@@ -158,7 +162,14 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def _on_commit(self, result: RoundResult) -> None:
         self._global_grad_norm = result.grad_norm
-        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, self.get_lr())
+        self.overflow = result.skipped
+        if self.dynamic_loss_scale and not self.custom_loss_scaler:
+            # DeepSpeed's rule, once per optimizer step: halve after an overflow (the step was
+            # skipped), double after scale_window clean steps. The schedule then rescales G.
+            self._update_scale(result.skipped)
+        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, self.get_lr(),
+                                        loss_scale=self.loss_scale if self.dynamic_loss_scale or
+                                        self.dtype == torch.float16 else None)
         if self._engine_on_commit is not None:
             self._engine_on_commit(result, record)
 

@@ -51,8 +51,9 @@ class AccoFSDPOptimizer:
     group, the lane and the schedule over FSDP's shards; ``schedule`` is the shared core's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, acco_config: AccoConfig,
-                 gradient_accumulation_steps: int, clip_grad: float, on_commit=None):
+                 gradient_accumulation_steps: int, clip_grad: float, on_commit=None, loss_scaler=None):
         self.optimizer = optimizer
+        self.loss_scaler = loss_scaler
         self.acco_config = acco_config
         modules = _fsdp_modules(model)
         # Root first: its lazy init decides the root and the defaults we then override.
@@ -86,6 +87,16 @@ class AccoFSDPOptimizer:
             raise ValueError("AccoFSDP needs one MixedPrecisionPolicy (param_dtype / reduce_dtype) for the whole "
                              "model; fix: pass the same mp_policy to every fully_shard")
         accum_dtype = dtypes.pop()
+        live_dtype = live_dtypes.pop()
+        if loss_scaler is not None and (live_dtype != torch.float16 or accum_dtype != torch.float32):
+            raise ValueError(f"fp16.enabled = true, but the model computes in {live_dtype} and reduces in "
+                             f"{accum_dtype}: loss scaling is for fp16 compute with fp32 gradients; fix: "
+                             "fully_shard with MixedPrecisionPolicy(param_dtype=torch.float16, "
+                             "reduce_dtype=torch.float32), or remove the fp16 block")
+        if loss_scaler is None and live_dtype == torch.float16:
+            raise ValueError("the model computes in float16 (MixedPrecisionPolicy param_dtype) without loss "
+                             "scaling: small gradients would underflow; fix: add \"fp16\": {\"enabled\": true} "
+                             "(dynamic loss scaling) to the config, or use bf16")
         estimate_dtype = _DTYPES[acco_config.estimate_comm_dtype] if acco_config.estimate_comm_dtype else None
         if estimate_dtype is not None and estimate_dtype.itemsize > accum_dtype.itemsize:
             raise ValueError(f"acco.estimate_comm_dtype = {acco_config.estimate_comm_dtype!r} is wider than the "
@@ -119,7 +130,8 @@ class AccoFSDPOptimizer:
             grad_scale=1.0 / gradient_accumulation_steps, clip_grad=clip_grad,
             reduce_scatter=collectives.uses_reduce_scatter(self.acco_group),
             track_drift=acco_config.metrics.estimate_drift, report=self.metrics.report,
-            nonfinite=acco_config.nonfinite, on_commit=self._on_commit)
+            nonfinite=acco_config.nonfinite, on_commit=self._on_commit,
+            loss_scale=None if loss_scaler is None else (lambda: loss_scaler.cur_scale))
 
     def _guard_regather(self, modules) -> None:
         """FSDP re-gathers the unsharded params from the shards after ``model.state_dict()``,
@@ -160,7 +172,11 @@ class AccoFSDPOptimizer:
         return self.optimizer.param_groups[0]["lr"]
 
     def _on_commit(self, result: RoundResult) -> None:
-        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, self.get_lr())
+        scaler = self.loss_scaler
+        if scaler is not None and scaler.dynamic:
+            scaler.update_scale(result.skipped)  # DeepSpeed's rule, once per optimizer step
+        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, self.get_lr(),
+                                        loss_scale=None if scaler is None else scaler.cur_scale)
         if self._on_commit_cb is not None:
             self._on_commit_cb(result, record)
 
@@ -216,7 +232,8 @@ class AccoFSDP:
         gas = raw.get("gradient_accumulation_steps", 1)
         if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
             raise ValueError(f"gradient_accumulation_steps = {gas!r}: must be an integer >= 1")
-        check_schedule_compat(acco, gas, fp16=bool((raw.get("fp16") or {}).get("enabled", False)))
+        fp16 = _fp16_config(raw)
+        check_schedule_compat(acco, gas, fp16 is not None and fp16.loss_scale == 0)
         clip = raw.get("gradient_clipping", 0.0) or 0.0
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
             raise ValueError(f"gradient_clipping = {clip!r}: must be a number >= 0 (0: off)")
@@ -234,8 +251,14 @@ class AccoFSDP:
         self.skipped_steps = 0
         self._boundary: Optional[bool] = None
         self._weight = 1.0
+        self.loss_scaler = None
+        if fp16 is not None:  # DeepSpeed's own scaler, configured by the same "fp16" block
+            from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+            self.loss_scaler = CreateLossScaler(torch.float16, fp16.loss_scale, fp16.loss_scale == 0,
+                                                fp16.dynamic_loss_scale_args())
         self.optimizer = AccoFSDPOptimizer(model, optimizer, acco_config=acco, gradient_accumulation_steps=gas,
-                                           clip_grad=float(clip), on_commit=self._on_commit)
+                                           clip_grad=float(clip), on_commit=self._on_commit,
+                                           loss_scaler=self.loss_scaler)
         if dist.get_rank() == 0:
             logger.info(f"ACCO (FSDP2): mode={acco.mode} accumulation={acco.accumulation} "
                         f"phases={self.optimizer.schedule.phases} synchronous={acco.synchronous} "
@@ -259,7 +282,15 @@ class AccoFSDP:
                              f"micro-batch's {weighting} count n >= 0 (got weight={weight!r}); the loss must be "
                              f"the sum over {weighting}s, not their mean")
         self._weight = 1.0 if weight is None else float(weight)
-        (loss / self.gradient_accumulation_steps).backward(retain_graph=retain_graph)
+        scale = self.gradient_accumulation_steps
+        if self.loss_scaler is not None:  # G carries the loss scale; each round divides it out
+            loss = loss.float() * self.loss_scaler.cur_scale
+        (loss / scale).backward(retain_graph=retain_graph)
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the backward passes use now (1 without fp16)."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.cur_scale)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends an ACCO phase (decided in ``step()``; asked
@@ -322,6 +353,22 @@ class AccoFSDP:
     def close(self) -> None:
         """Drain, stop the lane and leave the model as plain FSDP at the committed θ."""
         self.optimizer.close()
+
+
+def _fp16_config(raw: dict):
+    """The config's ``"fp16"`` block parsed by DeepSpeed's own model (None when off)."""
+    block = raw.get("fp16")
+    if not block or not block.get("enabled", False):
+        return None
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+    try:
+        cfg = DeepSpeedFP16Config(**block)
+    except Exception as exc:  # pydantic's ValidationError names the field
+        raise ValueError(f"fp16 block {block!r}: {exc}") from None
+    if cfg.fp16_master_weights_and_grads:
+        raise ValueError("fp16.fp16_master_weights_and_grads = true: ACCO keeps fp32 master shards and accumulates "
+                         "gradients in fp32; fix: remove it")
+    return cfg
 
 
 def _check_same_on_all_ranks(acco: AccoConfig, gas: int, clip) -> None:

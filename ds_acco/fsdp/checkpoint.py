@@ -69,6 +69,7 @@ def save(acco, path: str) -> None:
         "global_steps": acco.global_steps,
         "skipped_steps": acco.skipped_steps,
         "world": dist.get_world_size(),
+        "loss_scaler": None if acco.loss_scaler is None else dict(vars(acco.loss_scaler)),
     }
     torch.save(extras, _rank_file(scratch))
     dist.barrier()
@@ -127,6 +128,8 @@ def load(acco, path: str) -> None:
         acco.lr_scheduler.load_state_dict(extras["lr_scheduler"])
     acco.global_steps = extras["global_steps"]
     acco.skipped_steps = extras["skipped_steps"]
+    if acco.loss_scaler is not None and extras.get("loss_scaler"):
+        vars(acco.loss_scaler).update(extras["loss_scaler"])  # scale, iteration, hysteresis
     try:
         if not mine:
             raise ValueError("no in-flight state for this rank")

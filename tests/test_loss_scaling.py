@@ -1,0 +1,125 @@
+"""fp16 dynamic loss scaling under ACCO (DeepSpeed's own scaler, in both adapters).
+
+The loss is scaled in backward, so G carries the scale. The scaler is updated once per committed
+step (halved after a skipped, overflowing step; doubled after ``loss_scale_window`` clean ones),
+and G is rescaled by the same power of two at that moment, so a round never mixes scales; each
+round divides by the scale G carried when it was packed. An overflow skips the round's update
+(an estimate falls back to θ) -- the non-finite path of test_nonfinite.py.
+
+1. Exactness, in fp32 with DeepSpeed's DynamicLossScaler swapped in: every multiplication by a
+   power of two is exact there, so a scaled run must be bit-identical to the unscaled one while
+   the scale changes several times mid-run (it would not be if G mixed two scales).
+2. Real fp16 on CPU (DeepSpeed engine and FSDP2 with fp16 compute): a huge initial scale
+   overflows first; the skipped steps, the scale trajectory (replayed with DeepSpeed's scaler)
+   and the committed θ (vs the float64 reference with the same skips) are checked.
+"""
+import math
+
+import pytest
+import torch
+from deepspeed.runtime.fp16 import loss_scaler
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+import fsdp_workers
+from dist import run_ranks
+from fixtures import TinyNet, batch, make_optimizer
+from reference import reference_run
+
+GAS, STEPS = 4, 6
+SIM = {"init_scale": 2.0 ** 8, "scale_window": 2, "min_scale": 1, "delayed_shift": 1,
+       "consecutive_hysteresis": False}
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 18, "loss_scale_window": 3, "hysteresis": 1,
+        "min_loss_scale": 1}
+BASE = {"optimizer": "sgd", "gas": GAS, "steps": STEPS}
+# nan_at: (rank, micro-batch) of an injected non-finite gradient
+SIM_CASES = {
+    "acco": dict(BASE, acco={"enabled": True, "mode": "acco"}, nan_at=[(1, 6)]),
+    "acco-first-half": dict(BASE, acco={"enabled": True, "mode": "acco"}, nan_at=[(0, 8)]),
+    "dpu": dict(BASE, acco={"enabled": True, "mode": "dpu"}, nan_at=[(0, 5)]),
+}
+REAL_STEPS = 10
+REAL_DS = dict(optimizer="sgd", gas=GAS, steps=REAL_STEPS, acco={"enabled": True, "mode": "acco"},
+               extra={"fp16": FP16}, fp16_on_cpu=True)
+REAL_FSDP = dict(optimizer="sgd", gas=GAS, steps=REAL_STEPS, acco={"enabled": True, "mode": "acco"},
+                 extra={"fp16": FP16}, mp="fp16")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    names = list(SIM_CASES)
+    cases = [SIM_CASES[n] for n in names] + [dict(SIM_CASES[n], sim_scaler=SIM) for n in names] + [REAL_DS]
+    out = run_ranks(fsdp_workers.loss_scaling, ds_cases=cases, fsdp_case=REAL_FSDP)[0]
+    k = len(names)
+    return {"plain": dict(zip(names, out["ds"][:k])), "scaled": dict(zip(names, out["ds"][k:2 * k])),
+            "real_ds": out["ds"][-1], "real_fsdp": out["fsdp"]}
+
+
+def replay_scales(skipped_flags, **args):
+    """DeepSpeed's scaler fed the same per-step overflow flags: the scale after each step."""
+    from unittest import mock
+    scaler = DynamicLossScaler(**args)
+    out = []
+    with mock.patch.object(loss_scaler.dist, "get_rank", return_value=1):  # its log line asks for a rank
+        for flag in skipped_flags:
+            scaler.update_scale(flag)
+            out.append(scaler.cur_scale)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SIM_CASES))
+def test_scaled_run_is_bit_identical_to_unscaled(runs, name):
+    plain, scaled = runs["plain"][name], runs["scaled"][name]
+    scales = [m["loss_scale"] for m in scaled["metrics"]]
+    moves = list(zip([SIM["init_scale"]] + scales, scales))
+    assert any(b < a for a, b in moves) and any(b > a for a, b in moves), scales  # halved and doubled mid-run
+    for n in plain["final"]:
+        assert torch.equal(plain["final"][n], scaled["final"][n]), n
+    assert scaled["skipped_steps"] == plain["skipped_steps"] >= 1
+    assert scaled["rounds"] == plain["rounds"]
+    flags = [m["skipped"] for m in scaled["metrics"]]
+    assert scales == replay_scales(flags, **SIM)
+    # the backward passes use the initial scale or that of an update (it changes only at commits)
+    assert set(scaled["loss_scales"]) <= set(scales) | {SIM["init_scale"]}
+
+
+@pytest.mark.parametrize("which", ["real_ds", "real_fsdp"])
+def test_real_fp16_skips_overflows_and_matches_the_reference(runs, which):
+    run = runs[which]
+    if which == "real_ds":
+        assert run["param_dtype"] == "torch.float16"  # FSDP2: fp16 compute copies of fp32 sharded params
+    flags = [m["skipped"] for m in run["metrics"]]
+    args = {"init_scale": 2.0 ** FP16["initial_scale_power"], "scale_window": FP16["loss_scale_window"],
+            "min_scale": FP16["min_loss_scale"], "delayed_shift": FP16["hysteresis"], "consecutive_hysteresis": False}
+    assert [m["loss_scale"] for m in run["metrics"]] == replay_scales(flags, **args)
+    skipped_commits = tuple(m["step"] - 1 for m in run["metrics"] if m["skipped"])
+    assert 1 <= len(skipped_commits) < REAL_STEPS and run["skipped_steps"] == len(skipped_commits)
+    assert flags.count(False) >= REAL_STEPS // 2  # the scale came down to ones that fit fp16
+    skipped_estimates = tuple(step for (kind, step), skipped in run["rounds"] if kind == "estimate" and skipped)
+    assert all(torch.isfinite(t).all() for t in run["final"].values())
+    want = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=REAL_STEPS, mode="acco",
+                         make_optimizer=make_optimizer("sgd"), skip_estimate=skipped_estimates,
+                         skip_commit=skipped_commits)
+    num = math.sqrt(sum(float((run["final"][n].double() - want[n]).pow(2).sum()) for n in want))
+    den = math.sqrt(sum(float(want[n].pow(2).sum()) for n in want))
+    # fp16 compute: ~1e-3 relative; an unscaled or mixed-scale update would be off by factors of 2
+    assert num / den < 5e-3, (num / den, skipped_commits, skipped_estimates)
+    print(f"{which}: skipped commits {skipped_commits}, estimates {skipped_estimates}, "
+          f"scales {[m['loss_scale'] for m in run['metrics']]}, rel. error vs reference {num / den:.2e}")
+
+
+def test_real_fp16_resumes_bit_identically(tmp_path):
+    """Saved after the scale has moved (skips at the start, growth later), a run resumed in new
+    processes continues bit-identically: DeepSpeed's scaler state and the scale G carries are
+    part of the checkpoint."""
+    import workers
+    case = dict(REAL_DS, steps=None)
+    save_at, total = (6, 13, 17, 22), 30
+    full = run_ranks(workers.checkpoint_save_run, case=case, save_dir=str(tmp_path), save_at=save_at, total=total)
+    resumed = run_ranks(workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=save_at,
+                        total=total)
+    for rank in (0, 1):
+        for i in save_at:
+            got = resumed[rank][i]
+            assert got["losses"] == full[rank]["losses"][i + 1:], f"losses differ after resuming at {i}"
+            assert all(torch.equal(got["final"][n], t) for n, t in full[rank]["final"].items()), i
+            assert got["global_steps"] == full[rank]["global_steps"] and got["loss_scale"] == full[rank]["loss_scale"]
