@@ -112,7 +112,7 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
         plt.close(fig)
         paths.append(path)
     # step-time breakdown
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4.5))
     comp, exp, rest = [], [], []
     for k in names:
         v = variants[k]
@@ -127,7 +127,7 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     ax.bar(xs, comp, label="compute (stock: in-loop; others: probe)")
     ax.bar(xs, exp, bottom=comp, label="exposed communication")
     ax.bar(xs, rest, bottom=[a + b for a, b in zip(comp, exp)], label="other (contention, copies)")
-    ax.set_xticks(list(xs), [LABELS.get(k, k) for k in names], fontsize=8)
+    ax.set_xticks(list(xs), [LABELS.get(k, k) for k in names], fontsize=8, rotation=25, ha="right")
     ax.set_ylabel("seconds per optimizer step (median)")
     ax.set_title(f"{label}: step-time breakdown")
     ax.legend(fontsize=7)
@@ -137,15 +137,15 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     plt.close(fig)
     paths.append(path)
     # measured vs predicted speedup (tokens/s ratio to stock)
-    fig, ax = plt.subplots(figsize=(6, 4))
     others = [k for k in names if variants[k].get("speedup_tokens") is not None]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(others)), 4.5))
     meas = [variants[k].get("speedup_tokens") or 0.0 for k in others]
     pred = [variants[k].get("predicted_speedup_tokens") or 0.0 for k in others]
     xs = range(len(others))
     ax.bar([x - 0.2 for x in xs], meas, width=0.4, label="measured")
     ax.bar([x + 0.2 for x in xs], pred, width=0.4, label="predicted (advisor)")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(list(xs), [LABELS.get(k, k) for k in others], fontsize=8)
+    ax.set_xticks(list(xs), [LABELS.get(k, k) for k in others], fontsize=8, rotation=25, ha="right")
     ax.set_ylabel("tokens/s relative to its stock baseline")
     ax.set_title(f"{label}: measured vs predicted speedup")
     ax.legend(fontsize=7)
