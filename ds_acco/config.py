@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any, Literal, Mapping, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ACCO_KEY = "acco"
@@ -197,6 +198,11 @@ def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int,
         raise ValueError(f"gradient_accumulation_steps = {gas}: acco.mode 'acco' splits each optimizer step into "
                          "two equal halves (estimate, commit), so it needs an even value >= 2; fix: set "
                          f"gradient_accumulation_steps to {max(2, gas + gas % 2)} or use \"mode\": \"dpu\"")
+    if fp16_dynamic_loss_scale and acco.estimate_comm_dtype == "fp16":
+        raise ValueError("acco.estimate_comm_dtype = 'fp16' with fp16 dynamic loss scaling: the estimate round would "
+                         "sum loss-scaled gradients over the ranks in fp16, and its overflows are not fed to the "
+                         "scaler (only commits are, once per step), so estimates could fall back to θ unnoticed; "
+                         "fix: use 'bf16' for the estimate round (same bytes, fp32's range) or remove it")
     if fp16_dynamic_loss_scale and acco.nonfinite == "raise":
         raise ValueError("acco.nonfinite = 'raise' with fp16 dynamic loss scaling (fp16.loss_scale = 0): overflows "
                          "are how the dynamic scaler finds its scale (the step is skipped and the scale halved), so "
@@ -208,6 +214,12 @@ def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
     """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
     fp16 = ds.float16_config
     check_schedule_compat(acco, ds.gradient_accumulation_steps, fp16.enabled and fp16.loss_scale == 0)
+    autocast_dtype = getattr(ds, "torch_autocast_dtype", None)
+    if getattr(ds, "torch_autocast_enabled", False) and autocast_dtype in (None, torch.float16):
+        raise ValueError(f"torch_autocast.enabled = true with dtype {autocast_dtype or 'unset'}: fp16 autocast makes "
+                         "DeepSpeed scale losses with a torch GradScaler that ACCO's rounds do not divide out; fix: set "
+                         "torch_autocast.dtype to \"bf16\", use the \"fp16\" block (DeepSpeed's loss scaler, "
+                         "supported), or disable acco")
     if fp16.enabled and getattr(fp16, "fp16_master_weights_and_grads", False):
         raise ValueError("fp16.fp16_master_weights_and_grads = true: ACCO keeps fp32 master shards and accumulates "
                          "gradients in fp32; fix: remove fp16_master_weights_and_grads or disable acco")

@@ -190,9 +190,12 @@ def everything(ds_cases, fsdp_cases, ckpt_case, ckpt_dir, save_at, total):
     return out
 
 
-def loss_scaling(ds_cases, fsdp_case):
-    """test_loss_scaling.py's distributed work in one spawn: DeepSpeed cases, then one FSDP2 run."""
+def loss_scaling(ds_cases, fsdp_case, ckpt_dir, save_at, total):
+    """test_loss_scaling.py's distributed work in one spawn: DeepSpeed cases, one FSDP2 run, and
+    FSDP2 checkpoints saved and resumed."""
     import workers
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    return {"ds": workers.train_cases(ds_cases), "fsdp": fp16_run(fsdp_case)}
+    out = {"ds": workers.train_cases(ds_cases), "fsdp": fp16_run(fsdp_case)}
+    out["fsdp_ckpt"] = checkpoint_runs(fsdp_case, ckpt_dir, save_at, total)
+    return out

@@ -188,6 +188,7 @@ def test_summarize_compares_fsdp_variants_with_stock_fsdp():
     assert v["fsdp_fixed"]["baseline"] == "fsdp_stock" and v["fixed"]["baseline"] == "stock"
     assert v["fsdp_fixed"]["speedup_step"] == pytest.approx(1.2 / 0.8)
     assert v["fsdp_stock"]["speedup_step"] == pytest.approx(0.9 / 1.2)  # stock FSDP2 vs stock ZeRO-1
+    assert v["stock"]["speedup_step"] == 1.0
     # stock FSDP2 communicates in the first forward and the last backward: neither counts as compute
     assert v["fsdp_stock"]["compute_in_loop_s"] == pytest.approx(0.4)
     assert v["fsdp_stock"]["exposed_comm_s"] == pytest.approx(0.8)
@@ -204,6 +205,7 @@ def test_summarize_compares_fsdp_variants_with_stock_fsdp():
 def test_boundary_positions():
     assert runner.boundary_positions("stock", 4) == {3}
     assert runner.boundary_positions("fsdp_stock", 4) == {0, 3}
+    assert runner.boundary_positions("fsdp_stock", 2) == {0, 1}  # every micro-batch communicates
     assert runner.boundary_positions("fsdp_fixed", 4) == set() == runner.boundary_positions("dynamic", 4)
 
 
@@ -214,6 +216,11 @@ def test_variant_lists_and_unknown_variants():
     with pytest.raises(ValueError, match="fsdp_acco"):
         runner.ABSpec(variants=("stock", "fsdp_acco"))
     assert main(["ab", "--network", "loopback", "--variants", "stock,fixd"]) == 2
+    from ds_acco.bench import worker
+    for block in ({"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}, {"scheduler": {"type": "WarmupLR"}}):
+        with pytest.raises(ValueError, match=next(iter(block))):
+            worker.check_fsdp_config(block)
+    worker.check_fsdp_config({"bf16": {"enabled": False}})
 
 
 def worker_variants():

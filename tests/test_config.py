@@ -90,6 +90,10 @@ INIT_CASES = [
      ["acco.nonfinite", "raise", "fp16.loss_scale", "fix"]),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "model",
      ["fp16_master_weights_and_grads", "fix"]),
+    ({"fp16": {"enabled": True}, "acco": {"enabled": True, "estimate_comm_dtype": "fp16"}}, "model",
+     ["acco.estimate_comm_dtype", "fp16", "bf16", "fix"]),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp16"}}, "model", ["torch_autocast", "fp16", "fix"]),
+    ({"torch_autocast": {"enabled": True}}, "model", ["torch_autocast", "unset", "fix"]),
     ({}, "pipeline", ["PipelineModule", "fix"]),
 ]
 

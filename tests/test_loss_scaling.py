@@ -44,14 +44,19 @@ REAL_FSDP = dict(optimizer="sgd", gas=GAS, steps=REAL_STEPS, acco={"enabled": Tr
                  extra={"fp16": FP16}, mp="fp16")
 
 
+FSDP_SAVE_AT, FSDP_TOTAL = (6, 13, 21), 28
+
+
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     names = list(SIM_CASES)
     cases = [SIM_CASES[n] for n in names] + [dict(SIM_CASES[n], sim_scaler=SIM) for n in names] + [REAL_DS]
-    out = run_ranks(fsdp_workers.loss_scaling, ds_cases=cases, fsdp_case=REAL_FSDP)[0]
+    outs = run_ranks(fsdp_workers.loss_scaling, ds_cases=cases, fsdp_case=REAL_FSDP,
+                     ckpt_dir=str(tmp_path_factory.mktemp("fsdp-fp16")), save_at=FSDP_SAVE_AT, total=FSDP_TOTAL)
+    out = outs[0]
     k = len(names)
     return {"plain": dict(zip(names, out["ds"][:k])), "scaled": dict(zip(names, out["ds"][k:2 * k])),
-            "real_ds": out["ds"][-1], "real_fsdp": out["fsdp"]}
+            "real_ds": out["ds"][-1], "real_fsdp": out["fsdp"], "fsdp_ckpt": [o["fsdp_ckpt"] for o in outs]}
 
 
 def replay_scales(skipped_flags, **args):
@@ -105,6 +110,16 @@ def test_real_fp16_skips_overflows_and_matches_the_reference(runs, which):
     assert num / den < 5e-3, (num / den, skipped_commits, skipped_estimates)
     print(f"{which}: skipped commits {skipped_commits}, estimates {skipped_estimates}, "
           f"scales {[m['loss_scale'] for m in run['metrics']]}, rel. error vs reference {num / den:.2e}")
+
+
+def test_real_fp16_fsdp_resumes_bit_identically(runs):
+    """AccoFSDP with fp16 compute: the scaler state and G's scale travel in its checkpoint."""
+    for rank, ck in enumerate(runs["fsdp_ckpt"]):
+        full = ck["full"]
+        for i in FSDP_SAVE_AT:
+            assert ck[i]["losses"] == full["losses"][i + 1:], f"rank {rank}: losses differ after resuming at {i}"
+            assert all(torch.equal(ck[i]["final"][n], t) for n, t in full["final"].items()), (rank, i)
+            assert ck[i]["global_steps"] == full["global_steps"]
 
 
 def test_real_fp16_resumes_bit_identically(tmp_path):

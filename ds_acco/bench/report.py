@@ -31,6 +31,14 @@ def ordered(variants: Dict[str, dict]) -> List[str]:
     return [k for k in ORDER if k in variants] + sorted(k for k in variants if k not in ORDER)
 
 
+def _baseline_note(variants: Dict[str, dict]) -> str:
+    if not any(k.startswith("fsdp_") for k in variants):
+        return ""
+    base = "stock FSDP2" if "fsdp_stock" in variants else "stock ZeRO-1 (stock FSDP2 did not run)"
+    return (f"; FSDP2 variants are compared with {base} (× its stock), the others and stock FSDP2 with stock "
+            "ZeRO-1; pred. step s is the advisor's model of DeepSpeed's collectives for the variant's mode")
+
+
 def markdown_table(summary: dict) -> str:
     """One row per variant: the figures the issue asks for."""
     head = ("| variant | step s (median) | spread p25–p75 | tokens/s | × its stock | compute s | exposed comm s | "
@@ -38,8 +46,7 @@ def markdown_table(summary: dict) -> str:
     lines = [f"**{summary['label']}** — {summary['world']} ranks, gradient_accumulation_steps {summary['gas']}, "
              f"{summary['rate']}, {summary['n_params'] / 1e6:.1f}M params, "
              f"{summary['steps'] - summary['warmup']} timed steps after {summary['warmup']} warm-up"
-             + ("; FSDP2 variants are compared with stock FSDP2 (× its stock), the others with stock ZeRO-1"
-                if any(k.startswith("fsdp_") for k in summary["variants"]) else ""),
+             + _baseline_note(summary["variants"]),
              "", head, "|" + "---|" * (head.count("|") - 1)]
     for k in ordered(summary["variants"]):
         v = summary["variants"][k]

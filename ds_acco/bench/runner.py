@@ -177,7 +177,7 @@ def boundary_positions(variant: str, gas: int) -> set:
     the parameters in the first forward after the optimizer step. ACCO variants: none."""
     if mode_of(variant) != "stock":
         return set()
-    return {gas - 1, 0} if is_fsdp(variant) and gas > 2 else {gas - 1}
+    return {gas - 1, 0} if is_fsdp(variant) else {gas - 1}
 
 
 def inner_compute(rank: dict, gas: int, variant: str, lo: int = 0, hi: Optional[int] = None) -> List[float]:
@@ -333,7 +333,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
         ref["final_heldout"] * 1.01 if ref and ref["final_heldout"] is not None else None)
     for name, v in variants.items():
         v["time_to_target_s"] = time_to_target(v["heldout_curve"], target)
-        stock = variants.get(v["baseline"] or ("stock" if name == "fsdp_stock" else ""))
+        stock = variants.get(v["baseline"] or "stock")  # the stock runs: against stock ZeRO-1 (itself: 1.00)
         if stock and stock["step_s"] and v["step_s"]:
             v["speedup_step"] = stock["step_s"] / v["step_s"]
             v["speedup_tokens"] = (v["tokens_per_s"] / stock["tokens_per_s"]) if stock["tokens_per_s"] else None

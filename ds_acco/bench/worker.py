@@ -15,6 +15,7 @@ rank keeps its own records and rank 0 gathers them after each variant into ``raw
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -153,6 +154,15 @@ def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def check_fsdp_config(cfg: dict) -> None:
+    """What the FSDP variants do not build from the JSON, refused rather than silently dropped."""
+    for key in ("scheduler", "bf16", "fp16"):
+        block = cfg.get(key)
+        if block and (key == "scheduler" or block.get("enabled", False)):
+            raise ValueError(f"base config block \"{key}\": the FSDP variants train in fp32 with torch AdamW and no "
+                             "LR schedule; fix: remove it from the base config, or run the DeepSpeed variants only")
+
+
 def fsdp_adamw(model: torch.nn.Module, cfg: dict) -> torch.optim.AdamW:
     """torch AdamW over FSDP's sharded parameters with the settings of the config's optimizer
     block (the DeepSpeed variants build the same optimizer from it, ``torch_adam``)."""
@@ -173,9 +183,7 @@ class StockFSDPTrainer:
     acco = False
 
     def __init__(self, model: torch.nn.Module, cfg: dict):
-        if cfg.get("scheduler"):
-            raise ValueError("the FSDP variants do not build the config's \"scheduler\" block; fix: remove it "
-                             "from the base config (or run the DeepSpeed variants only)")
+        check_fsdp_config(cfg)
         self.module = shard_fsdp(model)
         self.optimizer = fsdp_adamw(model, cfg)
         self.gas = cfg["gradient_accumulation_steps"]
@@ -201,9 +209,18 @@ class StockFSDPTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.global_steps += 1
 
+    @contextlib.contextmanager
     def committed_weights(self):
-        import contextlib
-        return contextlib.nullcontext()
+        """The shards are the committed weights. An evaluation forward gathers them and, with
+        ``reshard_after_forward=False``, leaves them gathered: reshard on exit, so the next timed
+        step pays its all-gather as every step does."""
+        from torch.distributed.fsdp import FSDPModule
+        try:
+            yield
+        finally:
+            for m in self.module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def metrics_history(self) -> List[dict]:
         return []
@@ -220,9 +237,7 @@ class AccoFSDPTrainer:
 
     def __init__(self, model: torch.nn.Module, cfg: dict):
         from ds_acco.fsdp import AccoFSDP
-        if cfg.get("scheduler"):
-            raise ValueError("the FSDP variants do not build the config's \"scheduler\" block; fix: remove it "
-                             "from the base config (or run the DeepSpeed variants only)")
+        check_fsdp_config(cfg)
         self.module = shard_fsdp(model)
         self.acco_fsdp = AccoFSDP(self.module, fsdp_adamw(model, cfg), cfg)
 

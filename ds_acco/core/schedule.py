@@ -299,6 +299,11 @@ class AccoSchedule:
             self._decision = (self.micro_batches, reason)
         return reason is not None
 
+    def before_backward(self) -> None:
+        """Called by the adapters before each backward pass: a loss scale set from outside
+        (e.g. ``override_loss_scale``) is applied to G before gradients at the new scale land."""
+        self._sync_grads_scale()
+
     def record_micro_batch(self, weight: float = 1.0) -> None:
         """Note one finished backward pass whose gradient now sits in G."""
         one = Tally(1, float(weight))
@@ -458,12 +463,12 @@ class AccoSchedule:
 
     def _sync_grads_scale(self) -> None:
         """After a loss-scale change: G ← G · new/old, so it carries the scale the next backward
-        passes will use (compute lane; the round in flight reads B, not G)."""
+        passes will use (compute lane; the round in flight reads B, not G). G is rescaled even
+        when no micro-batch has been recorded yet: a backward may have run before its step()."""
         new = self._current_loss_scale()
         if new != self.grads_scale:
-            if self.buffer_tally.micro_batches:
-                for g in self.groups:
-                    g.scale_grads(new / self.grads_scale)
+            for g in self.groups:
+                g.scale_grads(new / self.grads_scale)
             self.grads_scale = new
 
     def _launch(self, kind: RoundKind, clear_grads: bool) -> None:

@@ -282,12 +282,13 @@ def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     mine = json.dumps({"acco": acco.model_dump(), "gradient_accumulation_steps":
-                       (raw or {}).get("gradient_accumulation_steps")}, sort_keys=True)
+                       (raw or {}).get("gradient_accumulation_steps"), "fp16": (raw or {}).get("fp16")},
+                      sort_keys=True, default=str)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
-        raise ValueError(f"the \"acco\" block (or gradient_accumulation_steps) differs between ranks: {lines}; "
+        raise ValueError(f"the \"acco\" block (or gradient_accumulation_steps / fp16) differs between ranks: {lines}; "
                          "fix: give every rank the same DeepSpeed config")
 
 

@@ -134,6 +134,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         # Someone (module.zero_grad(), a trainer) may have dropped p.grad; autograd must keep
         # accumulating into G.
         self._attach_grads()
+        self.schedule.before_backward()
         return super().backward_prologue()
 
     def reduce_gradients(self, pipeline_parallel=False):

@@ -242,7 +242,7 @@ class AccoFSDP:
                              f"{type(model).__name__}; fix: call fully_shard(model, ...) after sharding its blocks")
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized; fix: init_process_group before fully_shard")
-        _check_same_on_all_ranks(acco, gas, clip)
+        _check_same_on_all_ranks(acco, gas, clip, raw.get("fp16"))
         self.module = model
         self.acco_config = acco
         self.gradient_accumulation_steps = gas
@@ -283,6 +283,7 @@ class AccoFSDP:
                              f"the sum over {weighting}s, not their mean")
         self._weight = 1.0 if weight is None else float(weight)
         scale = self.gradient_accumulation_steps
+        self.schedule.before_backward()
         if self.loss_scaler is not None:  # G carries the loss scale; each round divides it out
             loss = loss.float() * self.loss_scaler.cur_scale
         (loss / scale).backward(retain_graph=retain_graph)
@@ -371,13 +372,14 @@ def _fp16_config(raw: dict):
     return cfg
 
 
-def _check_same_on_all_ranks(acco: AccoConfig, gas: int, clip) -> None:
-    """Ranks that disagree on the settings would issue different collectives and hang."""
+def _check_same_on_all_ranks(acco: AccoConfig, gas: int, clip, fp16=None) -> None:
+    """Ranks that disagree on the settings would issue different collectives and hang (or, for
+    the fp16 loss-scaling settings, sum gradients carrying different scales)."""
     mine = json.dumps({"acco": acco.model_dump(), "gradient_accumulation_steps": gas,
-                       "gradient_clipping": clip}, sort_keys=True)
+                       "gradient_clipping": clip, "fp16": fp16}, sort_keys=True, default=str)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
-        raise ValueError(f"the \"acco\" block (or gradient_accumulation_steps / gradient_clipping) differs between "
-                         f"ranks: {lines}; fix: give every rank the same config")
+        raise ValueError(f"the \"acco\" block (or gradient_accumulation_steps / gradient_clipping / fp16) differs "
+                         f"between ranks: {lines}; fix: give every rank the same config")

@@ -113,8 +113,21 @@ def load(acco, path: str) -> None:
     with torch.no_grad():
         _init_optimizer_state(opt, [fp.sharded_param for _, fp in _fqns(acco)])
     state = _dcp_state(acco)
+    # Optimizer state the checkpoint does not have (saved before the first applied step, e.g.
+    # while fp16 overflows were being skipped) stays absent: the optimizer initialises it later.
+    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    for fqn, fp in _fqns(acco):
+        entries = opt.state[fp.sharded_param]
+        for k in list(entries):
+            if f"optim.{fqn}.{k}" not in saved:
+                del entries[k]
+                del state["optim"][f"{fqn}.{k}"]
+        if not entries:
+            del opt.state[fp.sharded_param]
     dcp.load(state, checkpoint_id=path)  # in place into the DTensor shards and state tensors
     for fqn, fp in _fqns(acco):  # non-tensor entries come back as new objects
+        if fp.sharded_param not in opt.state:
+            continue
         entries = opt.state[fp.sharded_param]
         for k in list(entries):
             if not torch.is_tensor(entries[k]):
