@@ -189,11 +189,16 @@ def acco_config_of(ds_config: Optional[Mapping[str, Any]]) -> AccoConfig:
     return AccoConfig.from_block((ds_config or {}).get(ACCO_KEY))
 
 
-def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int,
-                          fp16_dynamic_loss_scale: bool = False) -> None:
-    """Checks every adapter shares: the accumulation count fits the mode; overflows are skipped
-    (not raised) under fp16 dynamic loss scaling."""
+def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int, fp16=None) -> None:
+    """Checks every adapter shares: the accumulation count fits the mode; under fp16 (``fp16``:
+    DeepSpeed's parsed ``DeepSpeedFP16Config``, or None) fp32 master shards and gradients, and
+    overflows skipped (not raised) with dynamic loss scaling."""
     gas = gradient_accumulation_steps
+    fp16 = fp16 if fp16 is not None and fp16.enabled else None
+    fp16_dynamic_loss_scale = fp16 is not None and fp16.loss_scale == 0
+    if fp16 is not None and getattr(fp16, "fp16_master_weights_and_grads", False):
+        raise ValueError("fp16.fp16_master_weights_and_grads = true: ACCO keeps fp32 master shards and accumulates "
+                         "gradients in fp32; fix: remove fp16_master_weights_and_grads or disable acco")
     if acco.mode == "acco" and (gas < 2 or gas % 2):
         raise ValueError(f"gradient_accumulation_steps = {gas}: acco.mode 'acco' splits each optimizer step into "
                          "two equal halves (estimate, commit), so it needs an even value >= 2; fix: set "
@@ -212,17 +217,13 @@ def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int,
 
 def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
     """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
-    fp16 = ds.float16_config
-    check_schedule_compat(acco, ds.gradient_accumulation_steps, fp16.enabled and fp16.loss_scale == 0)
+    check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
     autocast_dtype = getattr(ds, "torch_autocast_dtype", None)
     if getattr(ds, "torch_autocast_enabled", False) and autocast_dtype in (None, torch.float16):
         raise ValueError(f"torch_autocast.enabled = true with dtype {autocast_dtype or 'unset'}: fp16 autocast makes "
                          "DeepSpeed scale losses with a torch GradScaler that ACCO's rounds do not divide out; fix: set "
                          "torch_autocast.dtype to \"bf16\", use the \"fp16\" block (DeepSpeed's loss scaler, "
                          "supported), or disable acco")
-    if fp16.enabled and getattr(fp16, "fp16_master_weights_and_grads", False):
-        raise ValueError("fp16.fp16_master_weights_and_grads = true: ACCO keeps fp32 master shards and accumulates "
-                         "gradients in fp32; fix: remove fp16_master_weights_and_grads or disable acco")
     stage = ds.zero_config.stage if ds.zero_enabled else 0
     if stage != 1:
         raise ValueError(f"zero_optimization.stage = {stage}: ACCO is a ZeRO stage 1 optimizer; fix: set "

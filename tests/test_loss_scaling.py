@@ -37,6 +37,9 @@ SIM_CASES = {
     "acco-first-half": dict(BASE, acco={"enabled": True, "mode": "acco"}, nan_at=[(0, 8)]),
     "dpu": dict(BASE, acco={"enabled": True, "mode": "dpu"}, nan_at=[(0, 5)]),
 }
+# engine.optimizer.override_loss_scale(...) after micro-batches 4, 10, 16: each in the middle of a
+# phase (mode acco, gas 4: phases of two micro-batches), up and down
+OVERRIDE = dict(SIM_CASES["acco"], override_at={4: 2.0 ** 10, 10: 2.0 ** 3, 16: 2.0 ** 6})
 REAL_STEPS = 10
 REAL_DS = dict(optimizer="sgd", gas=GAS, steps=REAL_STEPS, acco={"enabled": True, "mode": "acco"},
                extra={"fp16": FP16}, fp16_on_cpu=True)
@@ -50,12 +53,13 @@ FSDP_SAVE_AT, FSDP_TOTAL = (6, 13, 21), 28
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     names = list(SIM_CASES)
-    cases = [SIM_CASES[n] for n in names] + [dict(SIM_CASES[n], sim_scaler=SIM) for n in names] + [REAL_DS]
+    cases = [SIM_CASES[n] for n in names] + [dict(SIM_CASES[n], sim_scaler=SIM) for n in names] + [OVERRIDE, REAL_DS]
     outs = run_ranks(fsdp_workers.loss_scaling, ds_cases=cases, fsdp_case=REAL_FSDP,
                      ckpt_dir=str(tmp_path_factory.mktemp("fsdp-fp16")), save_at=FSDP_SAVE_AT, total=FSDP_TOTAL)
     out = outs[0]
     k = len(names)
     return {"plain": dict(zip(names, out["ds"][:k])), "scaled": dict(zip(names, out["ds"][k:2 * k])),
+            "override": out["ds"][2 * k],
             "real_ds": out["ds"][-1], "real_fsdp": out["fsdp"], "fsdp_ckpt": [o["fsdp_ckpt"] for o in outs]}
 
 
@@ -85,6 +89,16 @@ def test_scaled_run_is_bit_identical_to_unscaled(runs, name):
     assert scales == replay_scales(flags, **SIM)
     # the backward passes use the initial scale or that of an update (it changes only at commits)
     assert set(scaled["loss_scales"]) <= set(scales) | {SIM["init_scale"]}
+
+
+def test_loss_scale_set_mid_phase_is_applied_to_the_accumulated_gradients(runs):
+    """A scale set from outside between two micro-batches of a phase: G is rescaled before the
+    next backward, so the run stays bit-identical to the unscaled one."""
+    plain, run = runs["plain"]["acco"], runs["override"]
+    assert sorted(set(run["loss_scales"])) == [1.0, 2.0 ** 3, 2.0 ** 6, 2.0 ** 10]
+    for n in plain["final"]:
+        assert torch.equal(plain["final"][n], run["final"][n]), n
+    assert run["rounds"] == plain["rounds"]
 
 
 @pytest.mark.parametrize("which", ["real_ds", "real_fsdp"])

@@ -48,6 +48,8 @@ def train(case: dict, use_ds_acco: bool = True):
         engine.backward(loss)
         boundaries.append(engine.is_gradient_accumulation_boundary())
         engine.step()
+        if i in case.get("override_at", {}):  # a loss scale set from outside, mid-phase
+            engine.optimizer.override_loss_scale(case["override_at"][i])
         if lane_log is not None:
             lane_log.after_micro_batch(i)
         losses.append(loss.item())

@@ -92,6 +92,14 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, out_dir: str, name: str) -> str:
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     """The four plots of one run."""
     plt = _plt()
@@ -113,11 +121,7 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
         ax.set_ylabel("loss")
         ax.set_title(f"{label}: loss vs {x_key.replace('_s', '')}")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{label}_{suffix}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{label}_{suffix}"))
     # step-time breakdown
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4.5))
     comp, exp, rest = [], [], []
@@ -138,11 +142,7 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     ax.set_ylabel("seconds per optimizer step (median)")
     ax.set_title(f"{label}: step-time breakdown")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{label}_breakdown.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(plt, fig, out_dir, f"{label}_breakdown"))
     # measured vs predicted speedup (tokens/s ratio to stock)
     others = [k for k in names if variants[k].get("speedup_tokens") is not None]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(others)), 4.5))
@@ -156,11 +156,7 @@ def plot_run(summary: dict, out_dir: str, label: str) -> List[str]:
     ax.set_ylabel("tokens/s relative to its stock baseline")
     ax.set_title(f"{label}: measured vs predicted speedup")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{label}_speedup.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(plt, fig, out_dir, f"{label}_speedup"))
     return paths
 
 
@@ -205,8 +201,4 @@ def write_matrix(summaries: Sequence[dict], out_dir: str) -> List[str]:
     ax.set_ylabel("predicted s")
     ax.set_title("advisor: predicted vs measured")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path_png = os.path.join(out_dir, "matrix_predicted_vs_measured.png")
-    fig.savefig(path_png, dpi=90)
-    plt.close(fig)
-    return [path_md, path_png]
+    return [path_md, _save(plt, fig, out_dir, "matrix_predicted_vs_measured")]

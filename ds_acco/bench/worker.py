@@ -105,7 +105,32 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
 
 
 # -- trainers: one interface over DeepSpeed, stock FSDP2 and AccoFSDP ------------------------------
-class DeepSpeedTrainer:
+class _Delegating:
+    """A trainer whose engine (DeepSpeed's, or AccoFSDP) has ``backward``, ``step``,
+    ``global_steps`` and works with :func:`ds_acco.committed_weights`."""
+
+    def __init__(self, inner, forward):
+        self.inner, self._forward = inner, forward
+
+    def __call__(self, rows):
+        return self._forward(rows)
+
+    def backward(self, loss):
+        self.inner.backward(loss)
+
+    def step(self):
+        self.inner.step()
+
+    @property
+    def global_steps(self) -> int:
+        return self.inner.global_steps
+
+    def committed_weights(self):
+        import ds_acco
+        return ds_acco.committed_weights(self.inner)
+
+
+class DeepSpeedTrainer(_Delegating):
     """Stock ZeRO-1 (``ds_acco.initialize`` without an ``acco`` block is plain
     ``deepspeed.initialize``) or ACCO / DPU on DeepSpeed."""
 
@@ -113,32 +138,16 @@ class DeepSpeedTrainer:
 
     def __init__(self, model: torch.nn.Module, cfg: dict):
         import ds_acco
-        self.engine, _, _, _ = ds_acco.initialize(model=model, model_parameters=param_groups(model), config=cfg)
-        self.module = self.engine.module
-        self.acco = getattr(self.engine.optimizer, "schedule", None) is not None
-
-    def __call__(self, rows):
-        return self.engine(rows)
-
-    def backward(self, loss):
-        self.engine.backward(loss)
-
-    def step(self):
-        self.engine.step()
-
-    @property
-    def global_steps(self) -> int:
-        return self.engine.global_steps
-
-    def committed_weights(self):
-        import ds_acco
-        return ds_acco.committed_weights(self.engine)
+        engine, _, _, _ = ds_acco.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+        super().__init__(engine, engine)
+        self.module = engine.module
+        self.acco = getattr(engine.optimizer, "schedule", None) is not None
 
     def metrics_history(self) -> List[dict]:
-        return list(self.engine.acco_metrics_history) if self.acco else []
+        return list(self.inner.acco_metrics_history) if self.acco else []
 
     def close(self):
-        self.engine.destroy()
+        self.inner.destroy()
 
 
 def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
@@ -229,7 +238,7 @@ class StockFSDPTrainer:
         pass
 
 
-class AccoFSDPTrainer:
+class AccoFSDPTrainer(_Delegating):
     """ACCO / DPU on the same FSDP2 model (:class:`ds_acco.fsdp.AccoFSDP`)."""
 
     fsdp = True
@@ -239,30 +248,13 @@ class AccoFSDPTrainer:
         from ds_acco.fsdp import AccoFSDP
         check_fsdp_config(cfg)
         self.module = shard_fsdp(model)
-        self.acco_fsdp = AccoFSDP(self.module, fsdp_adamw(model, cfg), cfg)
-
-    def __call__(self, rows):
-        return self.module(rows)
-
-    def backward(self, loss):
-        self.acco_fsdp.backward(loss)
-
-    def step(self):
-        self.acco_fsdp.step()
-
-    @property
-    def global_steps(self) -> int:
-        return self.acco_fsdp.global_steps
-
-    def committed_weights(self):
-        import ds_acco
-        return ds_acco.committed_weights(self.acco_fsdp)
+        super().__init__(AccoFSDP(self.module, fsdp_adamw(model, cfg), cfg), self.module)
 
     def metrics_history(self) -> List[dict]:
-        return self.acco_fsdp.metrics_history
+        return self.inner.metrics_history
 
     def close(self):
-        self.acco_fsdp.close()
+        self.inner.close()
 
 
 def make_trainer(variant: str, model: torch.nn.Module, cfg: dict):

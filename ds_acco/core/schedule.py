@@ -472,7 +472,7 @@ class AccoSchedule:
             self.grads_scale = new
 
     def _launch(self, kind: RoundKind, clear_grads: bool) -> None:
-        self._sync_grads_scale()
+        self._sync_grads_scale()  # a scale set after the last backward: G follows it into B
         scale = self.grads_scale
         for g in self.groups:
             g.pack_grads(clear_grads, kind)

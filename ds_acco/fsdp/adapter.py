@@ -233,7 +233,7 @@ class AccoFSDP:
         if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
             raise ValueError(f"gradient_accumulation_steps = {gas!r}: must be an integer >= 1")
         fp16 = _fp16_config(raw)
-        check_schedule_compat(acco, gas, fp16 is not None and fp16.loss_scale == 0)
+        check_schedule_compat(acco, gas, fp16)
         clip = raw.get("gradient_clipping", 0.0) or 0.0
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
             raise ValueError(f"gradient_clipping = {clip!r}: must be a number >= 0 (0: off)")
@@ -282,11 +282,10 @@ class AccoFSDP:
                              f"micro-batch's {weighting} count n >= 0 (got weight={weight!r}); the loss must be "
                              f"the sum over {weighting}s, not their mean")
         self._weight = 1.0 if weight is None else float(weight)
-        scale = self.gradient_accumulation_steps
         self.schedule.before_backward()
         if self.loss_scaler is not None:  # G carries the loss scale; each round divides it out
             loss = loss.float() * self.loss_scaler.cur_scale
-        (loss / scale).backward(retain_graph=retain_graph)
+        (loss / self.gradient_accumulation_steps).backward(retain_graph=retain_graph)
 
     @property
     def loss_scale(self) -> float:
@@ -363,13 +362,9 @@ def _fp16_config(raw: dict):
         return None
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
     try:
-        cfg = DeepSpeedFP16Config(**block)
+        return DeepSpeedFP16Config(**block)
     except Exception as exc:  # pydantic's ValidationError names the field
         raise ValueError(f"fp16 block {block!r}: {exc}") from None
-    if cfg.fp16_master_weights_and_grads:
-        raise ValueError("fp16.fp16_master_weights_and_grads = true: ACCO keeps fp32 master shards and accumulates "
-                         "gradients in fp32; fix: remove it")
-    return cfg
 
 
 def _check_same_on_all_ranks(acco: AccoConfig, gas: int, clip, fp16=None) -> None:
