@@ -40,9 +40,8 @@ def committed_weights(engine):
     evaluation and export of the model's weights: do not run backward passes inside. For a
     stock DeepSpeed engine this is a no-op.
     """
-    hook = getattr(engine, "acco_committed_weights", None)
-    inner = hook() if hook is not None and getattr(engine.optimizer, "schedule", None) is not None \
-        else contextlib.nullcontext()
+    hook = getattr(engine, "acco_committed_weights", None)  # AccoEngine and AccoFSDP have it
+    inner = hook() if hook is not None else contextlib.nullcontext()
     with inner:
         yield engine
 

@@ -10,9 +10,10 @@ import collections
 import math
 from typing import Deque, Dict, Iterable, List, Optional
 
-from .core.schedule import PhaseRecord, RoundKind, RoundResult
+from .core.phases import PhaseRecord
+from .core.rounds import RoundKind, RoundResult
 
-# What each rank sends along with a round (AccoSchedule.REPORT_SIZE floats).
+# What each rank sends along with a round (at most rounds.REPORT_SIZE floats).
 REPORT_FIELDS = ("exposed_comm_s", "comm_s", "micro_batches", "step_time_s")
 
 

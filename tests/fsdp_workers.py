@@ -76,7 +76,7 @@ def run(case):
         final = live_snapshot(model)
     out = {"final": final, "losses": losses, "global_steps": acco.global_steps,
            "phases": [p.tally.micro_batches for p in acco.schedule.history],
-           "metrics": acco.metrics_history, "boundary_type": type(acco.is_gradient_accumulation_boundary()).__name__}
+           "metrics": acco.acco_metrics_history, "boundary_type": type(acco.is_gradient_accumulation_boundary()).__name__}
     acco.close()
     # after close the model is plain FSDP at the committed θ
     with torch.no_grad():
@@ -126,7 +126,7 @@ def fp16_run(case):
         final = live_snapshot(model)
     note(None)
     out = {"final": final, "skipped_steps": acco.skipped_steps, "global_steps": acco.global_steps,
-           "loss_scales": scales, "rounds": sorted(rounds.items()), "metrics": acco.metrics_history,
+           "loss_scales": scales, "rounds": sorted(rounds.items()), "metrics": acco.acco_metrics_history,
            "param_dtype": str(next(iter(model.parameters())).dtype)}
     acco.close()
     return out

@@ -103,5 +103,5 @@ def test_compute_lane_runs_while_round_in_flight(runs, name):
 def test_memory_one_extra_buffer_no_stock_buckets(runs):
     mem = runs["acco"]["memory"]
     assert mem["grad_hooks"] == 0 and mem["ipg_buffers"] == 0 and mem["averaged_gradients"] == 0
-    assert mem["comm_numel"] == mem["live_numel"]  # exactly one full-size communication buffer
+    assert mem["comm_bytes"] == mem["buffer_bytes"]  # exactly one full-size communication buffer
     assert mem["grads_are_views"]  # gradients accumulate in place, in the flat accumulator

@@ -85,7 +85,7 @@ def install_dynamic_scaler(engine, args: dict) -> None:
     opt = engine.optimizer
     opt.loss_scaler = DynamicLossScaler(**args)
     opt.dynamic_loss_scale = True
-    opt.schedule.grads_scale = opt.loss_scale  # nothing accumulated yet: G starts at this scale
+    opt.schedule.accumulated_loss_scale = opt.loss_scale  # nothing accumulated yet: G starts at this scale
 
 
 def train_cases(cases, use_ds_acco=True):
@@ -164,8 +164,10 @@ def memory_facts(engine):
         "ipg_buffers": sum(len(b.buffer) for b in opt.ipg_buckets.values()),
         "averaged_gradients": len(opt.averaged_gradients),
         "accum_dtype": str(opt.accum_dtype), "comm_dtype": str(opt.comm_dtype),
-        "comm_numel": sum(g.comm.numel() for g in opt.schedule.groups),
-        "live_numel": sum(g.live.numel() for g in opt.schedule.groups),
+        "comm_bytes": sum(g.comm.numel() * g.comm.element_size() for g in opt.schedule.groups),
+        # one full-size buffer of the wider of the gradient and model dtypes
+        "buffer_bytes": sum(g.live.numel() * max(g.live.element_size(), opt.comm_dtype.itemsize)
+                            for g in opt.schedule.groups),
         "grads_are_views": all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
                                for p in engine.module.parameters()),
     }
@@ -336,7 +338,7 @@ def checkpoint_resume_runs(case, save_dir, save_at, total, use_ds_acco=True):
 def checkpoint_killed_save(case, save_dir, kill_point):
     """Save tag 'good', train on, then die (exit code 3) during the save of tag 'bad'."""
     import os
-    import ds_acco.deepspeed.checkpoint as ckpt
+    import ds_acco.core.publish as ckpt
     rank = int(__import__("os").environ["RANK"])
     engine = _engine_for(case)
     _feed(engine, rank, 0, 5)
@@ -426,7 +428,7 @@ def soak(case, micro_batches, sample_every):
                 "inflight": int(schedule._inflight is not None),
                 "lane_queue": lane_pool._work_queue.qsize() if lane_pool is not None else 0,
                 "history": len(schedule.history),
-                "metrics_records": len(engine.optimizer.metrics.records),
+                "metrics_records": len(engine.optimizer.driver.metrics.records),
                 "rounds_submitted": schedule.lane.rounds_submitted,
             })
     _feed(engine, rank, 0, micro_batches, sample)

@@ -32,16 +32,10 @@ def _trace_variant(variant: str, spec: dict, base_cfg: dict, rows, rank: int, wo
     model = build_model(spec)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3, betas=(0.9, 0.95))
     engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
-    handles = []
+    finished = []  # every round as collected: its times are the lane's own clock
     schedule = getattr(engine.optimizer, "schedule", None)
-    if schedule is not None:  # remember every round's handle: it carries the lane's own clock
-        inner = schedule.lane.submit
-
-        def submit(name, fn):
-            h = inner(name, fn)
-            handles.append(h)
-            return h
-        schedule.lane.submit = submit
+    if schedule is not None:
+        schedule.round_observers.append(finished.append)
     reduces = []
     if schedule is None:  # stock: the boundary reduce runs inside engine.backward; time it apart
         inner_reduce = engine.allreduce_gradients
@@ -77,8 +71,9 @@ def _trace_variant(variant: str, spec: dict, base_cfg: dict, rows, rank: int, wo
             blocking.append((b - t0, c - b))  # the compute lane waited (stock: step and all-gather)
     with ds_acco.committed_weights(engine):
         pass
-    rounds = [(h.name, h.started_at - t0, h.finished_at - h.started_at) for h in handles
-              if h.started_at is not None and h.finished_at is not None]
+    if schedule is not None:
+        schedule.drain()  # the last round too
+    rounds = [(f"{r.kind.value} {r.step}", r.started_at - t0, r.duration_s) for r in finished]
     engine.destroy()
     return {"variant": variant, "compute": compute, "blocking": blocking, "rounds": rounds,
             "total_s": time.perf_counter() - t0}

@@ -251,7 +251,7 @@ class AccoFSDPTrainer(_Delegating):
         super().__init__(AccoFSDP(self.module, fsdp_adamw(model, cfg), cfg), self.module)
 
     def metrics_history(self) -> List[dict]:
-        return self.inner.metrics_history
+        return self.inner.acco_metrics_history
 
     def close(self):
         self.inner.close()

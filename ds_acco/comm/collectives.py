@@ -10,29 +10,40 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the tensor collectives (the old names are deprecated there); older releases,
+# e.g. the 2.11 on our GPU machine, have only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def uses_reduce_scatter(group) -> bool:
     """True when the group's backend has a reduce-scatter that is cheaper than an all-reduce."""
     return dist.get_backend(group) not in ("gloo", )
 
 
-def reduce_to_shard(flat: torch.Tensor, rank: int, world: int, group, reduce_scatter: bool) -> torch.Tensor:
-    """Sum ``flat`` over the group; return this rank's slice of the sum (len(flat) // world).
-
-    With ``reduce_scatter`` False, ``flat`` is overwritten by the full sum and the returned
-    tensor is a view into it.
-    """
+def reduce_in_place(flat: torch.Tensor, rank: int, world: int, group, reduce_scatter: bool) -> torch.Tensor:
+    """Sum ``flat`` over the group so that this rank's segment (``len(flat) // world`` elements,
+    returned as a view) holds the sum. With ``reduce_scatter`` an in-place reduce-scatter (the
+    other segments are left undefined); otherwise an in-place all-reduce (all of ``flat`` holds
+    the sum). No temporary either way."""
     part = flat.numel() // world
+    mine = flat.narrow(0, rank * part, part)
     if reduce_scatter:
-        out = torch.empty(part, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_single(out, flat, group=group)
-        return out
-    dist.all_reduce(flat, group=group)
-    return flat.narrow(0, rank * part, part)
+        _reduce_scatter(mine, flat, group=group)
+    else:
+        dist.all_reduce(flat, group=group)
+    return mine
+
+
+def gather_in_place(flat: torch.Tensor, rank: int, world: int, group) -> None:
+    """All-gather every rank's segment of ``flat`` (rank order), this rank's being read in place."""
+    part = flat.numel() // world
+    _all_gather(flat, flat.narrow(0, rank * part, part), group=group)
 
 
 def gather_shards(shard: torch.Tensor, flat: torch.Tensor, group) -> None:
     """All-gather equal shards into ``flat`` (rank order)."""
-    dist.all_gather_single(flat, shard, group=group)
+    _all_gather(flat, shard, group=group)
 
 
 def sum_scalars(values: torch.Tensor, group) -> torch.Tensor:

@@ -10,9 +10,10 @@ Tests swap in a lane that delays or gates rounds to check asynchrony structurall
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as _FutureTimeout
 from typing import Any, Callable, Optional
 
@@ -49,13 +50,18 @@ class CommLane:
     device (CPU) no stream is used.
     """
 
-    def __init__(self, *, synchronous: bool = False, timeout_s: float = 1800.0, accelerator: Any = None):
+    def __init__(self, *, synchronous: bool = False, timeout_s: float = 1800.0, accelerator: Any = None,
+                 device: Optional[torch.device] = None):
         self.synchronous = synchronous
+        self._device = device
         self.timeout_s = timeout_s
         self._accel = accelerator
         self._use_streams = accelerator is not None and not accelerator.is_synchronized_device()
         self._stream = accelerator.Stream() if self._use_streams else None
-        self._pool: Optional[ThreadPoolExecutor] = None
+        # A daemon thread, not a ThreadPoolExecutor: the executor's workers are joined at
+        # interpreter exit, so a round stuck in a collective would keep the process alive.
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self.rounds_submitted = 0
 
@@ -91,10 +97,25 @@ class CommLane:
             run()
         else:
             with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-comm")
-                self._pool.submit(run)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._work, name="acco-comm", daemon=True)
+                    self._thread.start()
+                self._queue.put(run)
         return handle
+
+    def _work(self) -> None:
+        self._enter_device()
+        while True:
+            run = self._queue.get()
+            if run is None:
+                return
+            run()
+
+    def _enter_device(self) -> None:
+        """The worker thread makes its rank's device current (a new thread starts on device 0:
+        every rank would otherwise create a context there)."""
+        if self._use_streams and self._device is not None and self._device.index is not None:
+            self._accel.set_device(self._device.index)
 
     def wait(self, handle: RoundHandle) -> Any:
         """Block until ``handle`` finishes; re-raise its error; bounded by ``timeout_s``."""
@@ -109,8 +130,10 @@ class CommLane:
                                  "died or the network failed; this rank stops here") from exc
 
     def close(self) -> None:
-        """Stop the worker thread (after the round in flight, if any)."""
+        """Stop the worker thread after the round in flight, waiting at most ``timeout_s`` for it:
+        a round stuck in a collective (a dead peer) is left to its daemon thread."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(self.timeout_s)

@@ -1,5 +1,16 @@
-"""The ACCO / DPU schedule, free of DeepSpeed and FSDP: flat buffers, a shard optimizer, a lane."""
-from .schedule import AccoSchedule, FlatGroup, PhaseKind, RoundKind, RoundResult
+"""The ACCO / DPU schedule, free of DeepSpeed and FSDP.
+
+``phases`` (what ends a phase), ``buffers`` (G, B, live weights and shards of one parameter
+group), ``rounds`` (one round as plain functions), ``schedule`` (the state machine),
+``shard_optimizer`` (one step of any torch optimizer, kept or discarded) and ``driver`` (the
+protocol every adapter speaks).
+"""
+from .buffers import BufferGroup, FlatBuffers
+from .driver import AccoDriver
+from .phases import DynamicPhases, FixedPhases, PhaseKind
+from .rounds import NonFiniteGradientError, RoundKind, RoundResult
+from .schedule import AccoSchedule, ScheduleOptions
 from .shard_optimizer import ShardOptimizer
 
-__all__ = ["AccoSchedule", "FlatGroup", "PhaseKind", "RoundKind", "RoundResult", "ShardOptimizer"]
+__all__ = ["AccoDriver", "AccoSchedule", "BufferGroup", "DynamicPhases", "FixedPhases", "FlatBuffers",
+           "NonFiniteGradientError", "PhaseKind", "RoundKind", "RoundResult", "ScheduleOptions", "ShardOptimizer"]

@@ -20,17 +20,30 @@ class ShardOptimizer:
     """Drives ``optimizer`` whose parameters are exactly ``params`` (this rank's shards: DeepSpeed's
     fp32 master partitions, or FSDP's sharded parameters)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], chunk_elems: int = 1 << 21):
         self.optimizer = optimizer
+        self.chunk_elems = chunk_elems
         self.masters = list(params)
         owned = {id(p) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
         if owned != {id(m) for m in self.masters}:
             raise ValueError("the optimizer must own exactly the shard parameters")
 
-    def commit(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
-        """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step)."""
+    functional = False  # estimate_into needs no snapshot (a functional step of a known optimizer)
+
+    def commit(self, grads: Sequence[torch.Tensor]) -> None:
+        """θ, S ← Opt(θ, S, g), kept."""
         self._step(grads)
-        return read()
+
+    def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        """outs ← Opt(θ, S, g)'s parameters (cast to their dtype); θ and S are left as they were."""
+        saved = self._snapshot()
+        try:
+            self._step(grads)
+            for out, m in zip(outs, self.masters):
+                local = m.to_local() if hasattr(m, "to_local") else m
+                out.copy_(local.detach().reshape(-1))
+        finally:
+            self._restore(saved)
 
     def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
         """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly."""

@@ -17,32 +17,31 @@ finished, so a reader sees the old checkpoint or the complete new one.
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-PARTIAL_SUFFIX = ".acco-partial"
+from ..core import publish
+
 _GROUP_PARAMS = "params"
 
 
 def _fqns(acco) -> list:
-    """(fqn, FSDPParam) of every trainable parameter, in the group's order."""
+    """(fqn, FSDPParamView) of every trainable parameter, in the group's order."""
     names = {id(m): n for n, m in acco.module.named_modules()}
     out = []
-    for s in acco.optimizer.group.slots:
-        info = s.fsdp_param._module_info
-        prefix = names[id(info.module)]
-        out.append((f"{prefix}.{info.param_name}" if prefix else info.param_name, s.fsdp_param))
+    for s in acco.buffers.slots:
+        prefix = names[id(s.param.module)]
+        out.append((f"{prefix}.{s.param.param_name}" if prefix else s.param.param_name, s.param))
     return out
 
 
 def _dcp_state(acco) -> dict:
-    opt = acco.optimizer.optimizer
+    opt = acco.optimizer
     model, optim = {}, {}
     for fqn, fp in _fqns(acco):
-        p = fp.sharded_param
+        p = fp.sharded
         model[fqn] = p
         for k, v in opt.state.get(p, {}).items():
             optim[f"{fqn}.{k}"] = v
@@ -56,11 +55,11 @@ def _rank_file(path: str) -> str:
 def save(acco, path: str) -> None:
     """Drain, then write the committed shards, the optimizer state and every rank's in-flight state."""
     acco_state = acco.schedule.state_dict()  # drains: shards and optimizer state are the committed ones
-    scratch = f"{path}{PARTIAL_SUFFIX}"
+    scratch = publish.scratch_path(path)
     if dist.get_rank() == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
+        publish.clear_scratch(path)
     dist.barrier()
-    opt = acco.optimizer.optimizer
+    opt = acco.optimizer
     dcp.save(_dcp_state(acco), checkpoint_id=scratch)
     extras = {
         "acco_state": acco_state,
@@ -74,13 +73,7 @@ def save(acco, path: str) -> None:
     torch.save(extras, _rank_file(scratch))
     dist.barrier()
     if dist.get_rank() == 0:
-        retired = None
-        if os.path.exists(path):
-            retired = f"{path}.acco-retired-{os.getpid()}"
-            os.rename(path, retired)
-        os.rename(scratch, path)
-        if retired is not None:
-            shutil.rmtree(retired, ignore_errors=True)
+        publish.publish(path)
     dist.barrier()
 
 
@@ -109,26 +102,26 @@ def load(acco, path: str) -> None:
     another world size the committed θ and S are loaded and a fresh ACCO phase starts there)."""
     schedule = acco.schedule
     schedule.drain()
-    opt = acco.optimizer.optimizer
+    opt = acco.optimizer
     with torch.no_grad():
-        _init_optimizer_state(opt, [fp.sharded_param for _, fp in _fqns(acco)])
+        _init_optimizer_state(opt, [fp.sharded for _, fp in _fqns(acco)])
     state = _dcp_state(acco)
     # Optimizer state the checkpoint does not have (saved before the first applied step, e.g.
     # while fp16 overflows were being skipped) stays absent: the optimizer initialises it later.
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     for fqn, fp in _fqns(acco):
-        entries = opt.state[fp.sharded_param]
+        entries = opt.state[fp.sharded]
         for k in list(entries):
             if f"optim.{fqn}.{k}" not in saved:
                 del entries[k]
                 del state["optim"][f"{fqn}.{k}"]
         if not entries:
-            del opt.state[fp.sharded_param]
+            del opt.state[fp.sharded]
     dcp.load(state, checkpoint_id=path)  # in place into the DTensor shards and state tensors
     for fqn, fp in _fqns(acco):  # non-tensor entries come back as new objects
-        if fp.sharded_param not in opt.state:
+        if fp.sharded not in opt.state:
             continue
-        entries = opt.state[fp.sharded_param]
+        entries = opt.state[fp.sharded]
         for k in list(entries):
             if not torch.is_tensor(entries[k]):
                 entries[k] = state["optim"][f"{fqn}.{k}"]
@@ -150,11 +143,11 @@ def load(acco, path: str) -> None:
     except ValueError:
         # Another layout: start a fresh phase at the loaded committed θ (FSDP re-gathers it).
         schedule.reset(acco.global_steps)
-        acco.optimizer.regather_allowed = True
+        acco.regather_allowed = True
         try:
-            for m in acco.optimizer.modules:
+            for m in acco.modules:
                 m.reshard()
-            for m in acco.optimizer.modules:
+            for m in acco.modules:
                 m.unshard()
         finally:
-            acco.optimizer.regather_allowed = False
+            acco.regather_allowed = False

@@ -1,0 +1,186 @@
+"""The buffers of one parameter group, as the schedule sees them (ACCO.md's G and B).
+
+Per group an adapter hands over:
+  G (``grads``)  the local accumulator the backward pass adds into (full size, accumulation dtype);
+  B (``comm``)   the one extra buffer ACCO may hold (full size). A round reduces gradients in it
+                 and all-gathers the new parameters back into it, so it also carries θ̃ / θ to the
+                 next swap. It is raw bytes viewed in two dtypes: the dtype gradients travel in
+                 (``reduce_view``) and the model dtype parameters travel in (``gather_view``), so
+                 parameters go on the wire in the model dtype (stock ZeRO-1's bytes) even when
+                 gradients travel in fp32. Both views start at byte 0; B is as large as the wider.
+  live           the weights the compute lane uses (model dtype);
+  shards         this rank's parameters of the optimizer (its fp32 master shard θ[r]).
+
+B is rank-major: rank r's segment (``segment`` elements) holds what rank r owns, so a reduce and a
+slice gives a rank its shard's gradient and an all-gather of the segments gives every rank every
+shard. :class:`BufferGroup` states what the schedule needs; :class:`FlatBuffers` is DeepSpeed's
+layout (everything flat, live and B in the same order); the FSDP2 adapter has its own.
+"""
+from __future__ import annotations
+
+import abc
+from typing import List, Optional
+
+import torch
+
+from .rounds import RoundKind
+
+_SWAP_CHUNK = 1 << 20
+
+
+def view_as(storage: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of a uint8 buffer, as ``dtype``."""
+    return storage[:numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+
+
+def swap_(a: torch.Tensor, b: torch.Tensor, chunk: int = _SWAP_CHUNK) -> None:
+    """Exchange the contents of two equal-length flat tensors through one small temporary."""
+    tmp = torch.empty(min(chunk, a.numel()), dtype=a.dtype, device=a.device)
+    for start in range(0, a.numel(), chunk):
+        n = min(chunk, a.numel() - start)
+        x, y, t = a.narrow(0, start, n), b.narrow(0, start, n), tmp.narrow(0, 0, n)
+        t.copy_(x)
+        x.copy_(y)
+        y.copy_(t)
+
+
+class BufferGroup(abc.ABC):
+    """One parameter group's G, B, live weights and shards; subclasses map their framework's
+    tensors onto it. Set ``rank``, ``world``, ``segment``, ``grads``, ``comm`` (uint8),
+    ``comm_dtype``, ``live_dtype`` and ``estimate_dtype`` (None: ``comm_dtype``)."""
+
+    rank: int
+    world: int
+    segment: int  # elements of one rank's part of B
+    grads: torch.Tensor  # G
+    comm: torch.Tensor  # B's bytes
+    comm_dtype: torch.dtype
+    live_dtype: torch.dtype
+    estimate_dtype: Optional[torch.dtype] = None
+
+    @staticmethod
+    def allocate_comm(numel: int, device, *dtypes: Optional[torch.dtype]) -> torch.Tensor:
+        """B: ``numel`` elements of the widest of ``dtypes``, zeroed (FSDP's shard padding stays 0)."""
+        width = max(torch.empty(0, dtype=d).element_size() for d in dtypes if d is not None)
+        return torch.zeros(numel * width, dtype=torch.uint8, device=device)
+
+    # -- B's two views ------------------------------------------------------------------------
+    def reduce_view(self, kind: Optional[RoundKind]) -> torch.Tensor:
+        """B as the dtype a round of ``kind`` reduces gradients in (estimate rounds may be narrower)."""
+        dtype = self.estimate_dtype if kind is RoundKind.ESTIMATE and self.estimate_dtype else self.comm_dtype
+        return view_as(self.comm, dtype, self.world * self.segment)
+
+    def gather_view(self) -> torch.Tensor:
+        """B as the model dtype: where rounds all-gather parameters."""
+        return view_as(self.comm, self.live_dtype, self.world * self.segment)
+
+    # -- G ---------------------------------------------------------------------------------------
+    def zero_grads(self) -> None:
+        self.grads.zero_()
+
+    def scale_grads(self, factor: float) -> None:
+        """G ← factor · G (a loss-scale change: a power of two, exact)."""
+        self.grads.mul_(factor)
+
+    # -- what the layout defines ---------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def shard_params(self) -> List[torch.Tensor]:
+        """The optimizer's parameters for this rank's shard of the group."""
+
+    @abc.abstractmethod
+    def shard_values(self) -> List[torch.Tensor]:
+        """The shard parameters' local values (plain tensors, same order), read in place."""
+
+    @abc.abstractmethod
+    def shard_views(self, flat: torch.Tensor, rank: Optional[int] = None) -> List[torch.Tensor]:
+        """Views of a rank-major flat view of B laid out like this rank's shard values, placed in
+        ``rank``'s segment (default: this rank's)."""
+
+    @abc.abstractmethod
+    def live_shard_views(self) -> List[torch.Tensor]:
+        """Views of the live weights at this rank's shard (read by the drift metric)."""
+
+    def param_grads(self, views: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Gradients for ``shard_params`` from per-shard tensors (FSDP wraps them as DTensors)."""
+        return list(views)
+
+    @abc.abstractmethod
+    def pack_grads(self, kind: RoundKind, clear: bool) -> None:
+        """B (``reduce_view(kind)``) ← G; then G ← 0 if ``clear``."""
+
+    @abc.abstractmethod
+    def unpack_into_live(self) -> None:
+        """Live weights ← the parameters a round all-gathered into ``gather_view()``."""
+
+    @abc.abstractmethod
+    def swap_live_and_gathered(self) -> None:
+        """Exchange the live weights and the gathered parameters in B (``committed_weights``)."""
+
+    @abc.abstractmethod
+    def export_state(self, swapped: bool) -> dict:
+        """G, the live weights and B's gathered parameters as the compute lane sees them (CPU)."""
+
+    @abc.abstractmethod
+    def import_state(self, state: dict) -> None:
+        """Restore :meth:`export_state`'s output."""
+
+    @abc.abstractmethod
+    def layout(self) -> list:
+        """What must match for a saved state to be restored here."""
+
+
+class FlatBuffers(BufferGroup):
+    """DeepSpeed's flat layout: live weights, G and B share one element order (padded to
+    ``world × segment``), and the shard is one flat fp32 master tensor."""
+
+    def __init__(self, live: torch.Tensor, grads: torch.Tensor, master: torch.Tensor, *, rank: int, world: int,
+                 comm_dtype: torch.dtype, estimate_dtype: Optional[torch.dtype] = None):
+        n = live.numel()
+        if grads.numel() != n or n % world or master.numel() != n // world:
+            raise ValueError(f"flat group sizes do not fit: live {n}, grads {grads.numel()}, master {master.numel()}, "
+                             f"world {world}")
+        self.live, self.grads, self.master = live, grads, master
+        self.rank, self.world, self.segment = rank, world, n // world
+        self.comm_dtype, self.live_dtype = comm_dtype, live.dtype
+        self.estimate_dtype = estimate_dtype if estimate_dtype != comm_dtype else None
+        self.comm = self.allocate_comm(n, live.device, comm_dtype, live.dtype, self.estimate_dtype)
+
+    @property
+    def shard_params(self) -> List[torch.Tensor]:
+        return [self.master]
+
+    def shard_values(self) -> List[torch.Tensor]:
+        return [self.master.detach()]
+
+    def shard_views(self, flat: torch.Tensor, rank: Optional[int] = None) -> List[torch.Tensor]:
+        r = self.rank if rank is None else rank
+        return [flat.narrow(0, r * self.segment, self.segment)]
+
+    def live_shard_views(self) -> List[torch.Tensor]:
+        return [self.live.narrow(0, self.rank * self.segment, self.segment)]
+
+    def pack_grads(self, kind: RoundKind, clear: bool) -> None:
+        self.reduce_view(kind).copy_(self.grads)
+        if clear:
+            self.grads.zero_()
+
+    def unpack_into_live(self) -> None:
+        self.live.copy_(self.gather_view())
+
+    def swap_live_and_gathered(self) -> None:
+        swap_(self.live, self.gather_view())
+
+    def export_state(self, swapped: bool) -> dict:
+        live, gathered = (self.gather_view(), self.live) if swapped else (self.live, self.gather_view())
+        return {k: t.detach().to("cpu", copy=True) for k, t in (("grads", self.grads), ("live", live),
+                                                                 ("gathered", gathered))}
+
+    def import_state(self, state: dict) -> None:
+        with torch.no_grad():
+            self.grads.copy_(state["grads"])
+            self.live.copy_(state["live"])
+            self.gather_view().copy_(state["gathered"])
+
+    def layout(self) -> list:
+        return [self.world * self.segment, str(self.comm_dtype), str(self.live_dtype)]

@@ -1,0 +1,267 @@
+"""The one protocol every adapter speaks to the core.
+
+An adapter (DeepSpeed's ZeRO-1 optimizer, FSDP2, ...) translates its framework's tensors into
+buffer groups and its calls into this driver's; everything else is here, once:
+
+* construction: the rounds' own process group, the lane (on the rank's device), the phase
+  policy, the shard optimizer, metrics, and the start-up banner;
+* the micro-batch protocol: weights checked, the loss scale synced before each backward, the
+  phase end decided once per micro-batch (and forecast before that), the phase ended;
+* commit bookkeeping, once per committed step: the loss scaler, the metrics record, the LR
+  scheduler, skipped / global steps, the log line and the monitor;
+* a SIGTERM that stops every rank at the same round (the request rides along with a round),
+  chaining any handler installed before;
+* the rank-consistency check of the settings (:func:`check_same_on_all_ranks`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import collectives
+from ..comm.lane import CommLane
+from ..metrics import REPORT_FIELDS, StepMetrics, format_line, scalar_items
+from .buffers import BufferGroup
+from .rounds import RoundResult
+from .schedule import AccoSchedule, ScheduleOptions
+from .shard_optimizer import ShardOptimizer
+
+logger = logging.getLogger("ds_acco")
+STOP_FIELD = len(REPORT_FIELDS)  # index of the stop request in a round's peer report
+
+
+def accelerator_for(device: torch.device):
+    """What the lane needs for streams: nothing on CPU; DeepSpeed's accelerator elsewhere."""
+    if device.type == "cpu":
+        return None
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator()
+
+
+def check_same_on_all_ranks(settings: dict, what: str) -> None:
+    """Refuse a run whose ranks disagree on ``settings`` (e.g. ACCO enabled on one rank only):
+    they would issue different collectives and hang. One small collective on the default group;
+    the caller has set the rank's device first (NCCL stages objects on the current device)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = json.dumps(settings, sort_keys=True, default=str)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if len(set(every)) > 1:
+        lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
+        raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
+
+
+def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
+    """A micro-batch's weight under ``acco.weighting``; errors name the call and the fix."""
+    if weighting == "micro_batch":
+        if weight is not None:
+            raise ValueError(f"{call}(..., weight={weight!r}) with acco.weighting = 'micro_batch': every "
+                             "micro-batch weighs 1; fix: set acco.weighting to 'sample' or 'token', or drop weight")
+        return 1.0
+    if weight is None or not (float(weight) >= 0):
+        raise ValueError(f"acco.weighting = {weighting!r} needs {call}(loss, weight=n) with the micro-batch's "
+                         f"{weighting} count n >= 0 (got weight={weight!r}); the loss must be the sum over "
+                         f"{weighting}s, not their mean")
+    return float(weight)
+
+
+class AccoDriver:
+    """Runs the ACCO / DPU schedule for one adapter.
+
+    Args:
+        config: the validated ``"acco"`` block.
+        groups: the adapter's buffer groups.
+        optimizer: the torch optimizer whose parameters are exactly the groups' shard parameters.
+        process_group: the data-parallel group (None: the default group).
+        gradient_accumulation_steps, clip_grad: the framework's settings.
+        device: where G and B live (the lane runs its rounds with this device current).
+        host: the adapter's object whose ``global_steps`` and ``skipped_steps`` count commits.
+        step_lr_scheduler: called once per applied (not skipped) commit.
+        loss_scale: the fp16 loss scale backward passes use now (None: no loss scaling).
+        update_loss_scale: called with ``skipped`` once per committed step (dynamic loss scaling
+            updates its scaler there); returns the loss scale to report, or None without fp16.
+        after_commit: the adapter's own per-commit bookkeeping, ``(result, record)``.
+        framework: named in the banner and in errors.
+    """
+
+    def __init__(self, config, *, groups: Sequence[BufferGroup], optimizer: torch.optim.Optimizer, process_group,
+                 gradient_accumulation_steps: int, clip_grad: float, device: torch.device, host: Any,
+                 step_lr_scheduler: Optional[Callable[[], None]] = None,
+                 loss_scale: Optional[Callable[[], float]] = None,
+                 update_loss_scale: Optional[Callable[[bool], Optional[float]]] = None,
+                 after_commit: Optional[Callable[[RoundResult, dict], None]] = None,
+                 monitor: Any = None, log: Optional[Callable[[str], None]] = None, framework: str = ""):
+        self.config = config
+        self.log = log or logger.info
+        self.host = host
+        self.step_lr_scheduler = step_lr_scheduler
+        self.update_loss_scale = update_loss_scale
+        self.after_commit = after_commit
+        self.monitor = monitor
+        self.loss_scale = loss_scale
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params],
+                                              chunk_elems=config.chunk_elements)
+        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                 else list(range(dist.get_world_size())))
+        rank = dist.get_rank(group=process_group)
+        # The rounds' own group: they run on the lane's thread, and gloo matches collectives by
+        # issue order per group.
+        self.process_group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=config.comm_timeout_s))
+        self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
+                             accelerator=accelerator_for(device), device=device)
+        self.metrics = StepMetrics(config.mode)
+        self.stop_requested = False  # set by SIGTERM; sent to every rank with the next round
+        self.options = ScheduleOptions.from_config(config, gradient_accumulation_steps, clip_grad)
+        self.schedule = AccoSchedule(
+            groups, self.shard_optimizer, self.lane, process_group=self.process_group, rank=rank, world=len(ranks),
+            options=self.options, reduce_scatter=collectives.uses_reduce_scatter(self.process_group),
+            loss_scale=loss_scale, report=self._report, on_commit=self._on_commit)
+        self._boundary: Optional[bool] = None
+        self._previous_sigterm = None
+        self._stop_save: Optional[Callable[[str], None]] = None
+        if dist.get_rank() == 0:
+            self.log(self.banner(framework))
+
+    def banner(self, framework: str = "") -> str:
+        """One line: ACCO is on, its mode, phase length and buffer size."""
+        g = self.schedule.groups
+        comm_mb = sum(x.comm.numel() for x in g) / 2 ** 20
+        phases = self.options.phases
+        length = (f"{phases.micro_batches} micro-batches per phase" if hasattr(phases, "micro_batches") else
+                  f"dynamic phases of {phases.min_micro_batches}..{phases.max_micro_batches} micro-batches")
+        dtypes = g[0]
+        return (f"ACCO is on{' (' + framework + ')' if framework else ''}: mode={self.config.mode}, {length} "
+                f"(gradient_accumulation_steps={self.gradient_accumulation_steps}), communication buffer "
+                f"{comm_mb:.1f} MiB, gradients in {dtypes.comm_dtype} (estimate rounds "
+                f"{dtypes.estimate_dtype or dtypes.comm_dtype}), parameters in {dtypes.live_dtype}, "
+                f"{'reduce-scatter' if self.schedule.context.reduce_scatter else 'all-reduce + slice'}, "
+                f"synchronous={self.config.synchronous}")
+
+    # -- the micro-batch protocol -------------------------------------------------------------
+    def check_weight(self, weight: Optional[float], call: str) -> float:
+        return check_weight(self.config.weighting, weight, call)
+
+    def before_backward(self) -> None:
+        self.schedule.before_backward()
+
+    def is_boundary(self) -> bool:
+        """Whether the current micro-batch ends a phase: decided inside :meth:`micro_batch`; asked
+        before it, the forecast were it decided now."""
+        return self._boundary if self._boundary is not None else self.schedule.forecast_phase_end()
+
+    @contextlib.contextmanager
+    def micro_batch(self, weight: float = 1.0):
+        """Around the framework's per-micro-batch step: decides whether the phase ends (yielded;
+        :meth:`is_boundary` answers it meanwhile) and counts the micro-batch. The adapter calls
+        :meth:`end_phase` inside when it ends. Afterwards a stop request is honoured."""
+        self._boundary = self.schedule.decide_phase_end()
+        self.schedule.record_micro_batch(weight)
+        try:
+            yield self._boundary
+        finally:
+            self._boundary = None
+        if self.stop_requested_by_any_rank():
+            self._stop()
+
+    def end_phase(self) -> None:
+        self.schedule.end_phase()
+
+    def drain(self) -> Optional[RoundResult]:
+        """Wait for the round in flight (a finished commit counts as committed)."""
+        return self.schedule.drain()
+
+    def committed_weights(self):
+        return self.schedule.committed_weights()
+
+    # -- commit bookkeeping ------------------------------------------------------------------
+    def get_lr(self) -> float:
+        return self.shard_optimizer.optimizer.param_groups[0]["lr"]
+
+    def _on_commit(self, result: RoundResult) -> None:
+        scale = None
+        if self.update_loss_scale is not None:
+            scale = self.update_loss_scale(result.skipped)  # once per optimizer step, as DeepSpeed does
+        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, self.get_lr(),
+                                        loss_scale=scale)
+        if result.skipped:
+            self.host.skipped_steps += 1
+        elif self.step_lr_scheduler is not None:
+            self.step_lr_scheduler()
+        if self.after_commit is not None:
+            self.after_commit(result, record)
+        self.host.global_steps += 1
+        cfg = self.config.metrics
+        if dist.get_rank() != 0:
+            return
+        if cfg.monitor and self.monitor is not None and self.monitor.enabled:
+            samples = getattr(self.host, "global_samples", self.host.global_steps)
+            self.monitor.write_events([(f"ACCO/{k}", v, samples) for k, v in scalar_items(record)])
+        if cfg.log_every and record["step"] % cfg.log_every == 0:
+            self.log(format_line(record))
+
+    # -- stopping on SIGTERM: every rank at the same round ---------------------------------------
+    def _report(self):
+        # Travels with each round to every rank: this rank's metrics, then its stop request.
+        return self.metrics.report() + [float(self.stop_requested)]
+
+    def stop_requested_by_any_rank(self) -> bool:
+        """Whether a round collected so far carried a stop request from some rank."""
+        for r in self.schedule.recent_rounds:
+            if r.peer_report is not None and r.peer_report.shape[1] > STOP_FIELD and bool(
+                    (r.peer_report[:, STOP_FIELD] > 0).any()):
+                return True
+        return False
+
+    def install_sigterm(self, save: Optional[Callable[[str], None]] = None) -> None:
+        """Honour ``acco.sigterm``: on SIGTERM only flag the request (it rides along with this
+        rank's next round, so every rank learns it when collecting that same round), then call
+        the handler installed before, if it was a Python function."""
+        if self.config.sigterm == "off":
+            return
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("acco.sigterm needs the engine to be built on the main thread (signal handlers); "
+                             "fix: set \"sigterm\": \"off\"")
+        self._stop_save = save
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def handler(signum, frame):
+            self.stop_requested = True
+            if callable(previous):
+                previous(signum, frame)
+        signal.signal(signal.SIGTERM, handler)
+        self._previous_sigterm = (previous, handler)
+
+    def _uninstall_sigterm(self) -> None:
+        if self._previous_sigterm is None:
+            return
+        previous, ours = self._previous_sigterm
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is ours:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+    def _stop(self) -> None:
+        cfg = self.config
+        self.drain()
+        if cfg.sigterm == "checkpoint" and self._stop_save is not None:
+            self._stop_save(cfg.sigterm_checkpoint_dir)
+        if dist.get_rank() == 0:
+            self.log(f"ACCO: stopping on SIGTERM after {self.host.global_steps} committed steps"
+                        + (f", checkpoint in {cfg.sigterm_checkpoint_dir}" if cfg.sigterm == "checkpoint" else ""))
+        raise SystemExit(143)
+
+    def close(self) -> None:
+        """Drain, stop the lane and give SIGTERM back to the handler before ours."""
+        try:
+            self.schedule.close()
+        finally:
+            self._uninstall_sigterm()

@@ -1,0 +1,236 @@
+"""One communication round as plain functions: exchange counts, reduce, norm, skip, clip, step,
+gather. Everything here runs on the communication lane and touches only B, the shards and the
+optimizer (and reads the live weights' shard for the drift metric).
+
+Memory: the round works inside B. Gradients are reduced in place (all-reduce + slice on gloo,
+an in-place reduce-scatter elsewhere) and divided in place; norms and the drift are summed chunk
+by chunk; the estimate writes θ̃ straight into this rank's segment of B's gather view and the
+commit copies θ into it, and the all-gather runs in place. The only shard-sized temporary is
+an fp32 copy of the gradient when gradients travel narrower than fp32 -- what stock ZeRO-1
+allocates for its own step (DeepSpeed's fp32 gradient partition).
+"""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch.profiler import record_function
+
+from ..comm import collectives
+from .phases import Tally
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A round's global mean gradient had an inf or NaN and ``nonfinite`` is 'raise'."""
+
+
+class RoundKind(str, enum.Enum):
+    ESTIMATE = "estimate"
+    COMMIT = "commit"
+
+
+REPORT_SIZE = 6  # floats each rank may send along with a round (metrics, a stop request)
+
+
+@dataclass
+class RoundResult:
+    """What a finished round reports back to the compute lane."""
+    kind: RoundKind
+    step: int  # optimizer step t this round belongs to
+    local: Tally  # this rank's micro-batches in the round's gradient sum
+    per_rank: List[Tally]  # every rank's (gathered in the round: no extra collective)
+    grad_norm: float  # norm of the global mean gradient, before clipping
+    drift: Optional[float] = None  # commit rounds in mode acco: ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖
+    peer_report: Optional[torch.Tensor] = None  # (world, k) compute-lane figures each rank sent along
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
+    collected_at: float = 0.0
+    skipped: bool = False  # non-finite mean gradient: no update (the estimate fell back to θ)
+
+    @property
+    def total(self) -> Tally:
+        out = Tally()
+        for t in self.per_rank:
+            out = out.add(t)
+        return out
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+    def to_dict(self) -> dict:
+        """Plain types only, so checkpoints load without unpickling our classes."""
+        return {"kind": self.kind.value, "step": self.step, "local": (self.local.micro_batches, self.local.weight),
+                "per_rank": [(t.micro_batches, t.weight) for t in self.per_rank], "grad_norm": self.grad_norm,
+                "drift": self.drift, "peer_report": self.peer_report, "started_at": self.started_at,
+                "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
+                "skipped": self.skipped}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RoundResult":
+        return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
+                   d["grad_norm"], d["drift"], d["peer_report"], d["started_at"], d["finished_at"], d["wait_s"],
+                   d["collected_at"], d.get("skipped", False))
+
+
+@dataclass
+class RoundContext:
+    """What every round of one schedule shares (fixed at construction)."""
+    groups: Sequence  # BufferGroup
+    shard_optimizer: object  # ShardOptimizer
+    process_group: object
+    rank: int
+    world: int
+    gas_scale: float  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A loss scaling)
+    clip_grad: float
+    nonfinite: str
+    reduce_scatter: bool
+    track_drift: bool
+    chunk_elems: int
+
+
+def chunks(t: torch.Tensor, size: int):
+    """Flat views of ``t`` of at most ``size`` elements."""
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), size):
+        yield flat.narrow(0, start, min(size, flat.numel() - start))
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor], chunk: int) -> torch.Tensor:
+    """Σ t² over all tensors, accumulated in fp64 chunk by chunk (no full-size temporary)."""
+    total = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
+    for t in tensors:
+        for c in chunks(t, chunk):
+            total += torch.linalg.vector_norm(c, dtype=torch.float64).square()
+    return total
+
+
+def _distance_sq(a: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=a.device)
+    for ca, cb in zip(chunks(a, chunk), chunks(b, chunk)):
+        total += torch.linalg.vector_norm(ca.double() - cb.double()).square()
+    return total
+
+
+def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
+    """Every rank's counts and report in one small all-gather: (per-rank tallies, (world, k) reports)."""
+    device = ctx.groups[0].comm.device
+    mine = torch.zeros(2 + REPORT_SIZE, dtype=torch.float64, device=device)
+    mine[0], mine[1] = local.micro_batches, local.weight
+    mine[2:2 + len(report)] = torch.tensor(list(report)[:REPORT_SIZE], dtype=torch.float64)
+    table = torch.empty(ctx.world * mine.numel(), dtype=torch.float64, device=device)
+    collectives.gather_shards(mine, table, ctx.process_group)
+    table = table.view(ctx.world, -1).cpu()
+    return [Tally(int(row[0]), float(row[1])) for row in table], table[:, 2:]
+
+
+def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom: float, in_place_narrow: bool) -> List[List[torch.Tensor]]:
+    """Sum B's gradients over the ranks and divide this rank's shard by ``denom``; per group the
+    shard's gradients. In place in B when B holds fp32 (or when ``in_place_narrow``), else an fp32
+    copy of the shard."""
+    out = []
+    for g in ctx.groups:
+        flat = g.reduce_view(kind)
+        collectives.reduce_in_place(flat, ctx.rank, ctx.world, ctx.process_group, ctx.reduce_scatter)
+        views = g.shard_views(flat)
+        if views and views[0].dtype != torch.float32 and not in_place_narrow:
+            out.append([v.to(torch.float32).div_(denom) for v in views])
+        else:
+            out.append([v.div_(denom) for v in views])
+    return out
+
+
+def write_shards(ctx: RoundContext) -> None:
+    """This rank's segment of B's gather view ← its shard values θ[r] (cast to the model dtype)."""
+    for g in ctx.groups:
+        for dst, src in zip(g.shard_views(g.gather_view()), g.shard_values()):
+            dst.copy_(src.reshape(-1))
+
+
+def gather(ctx: RoundContext) -> None:
+    """All-gather every rank's segment of B's gather view, in place."""
+    for g in ctx.groups:
+        collectives.gather_in_place(g.gather_view(), ctx.rank, ctx.world, ctx.process_group)
+
+
+def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Sequence[float],
+              loss_scale: float) -> RoundResult:
+    """One round (ACCO.md): mean gradient over all ranks, one optimizer step on the shard --
+    discarded for an estimate, kept for a commit -- and the new parameters all-gathered into B."""
+    started = time.perf_counter()
+    with record_function(f"ACCO::{kind.value}_round"):
+        per_rank, reports = exchange_tallies(ctx, local, report)
+        weight = sum(t.weight for t in per_rank)
+        if weight <= 0:
+            raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "
+                               f"(micro-batches per rank: {[t.micro_batches for t in per_rank]})")
+        denom = weight * ctx.gas_scale * loss_scale  # G carried ``loss_scale`` when it was packed
+        functional = kind is RoundKind.ESTIMATE and ctx.shard_optimizer.functional
+        with record_function("ACCO::reduce"):
+            grads = reduce_mean_grads(ctx, kind, denom, in_place_narrow=functional)
+        flat_grads = [t for gs in grads for t in gs]
+        norm_sq = collectives.sum_scalars(sum_of_squares(flat_grads, ctx.chunk_elems), ctx.process_group)
+        grad_norm = float(norm_sq.sqrt())  # the same on every rank: so is the skip decision
+        skipped = not math.isfinite(grad_norm)
+        drift = None
+        if skipped:
+            if ctx.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"round '{kind.value} {step}': the global mean gradient is not finite (norm {grad_norm}); "
+                    "set acco.nonfinite to 'skip' to skip such updates instead")
+            write_shards(ctx)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
+        else:
+            if ctx.clip_grad > 0:
+                # DeepSpeed's rule: divide by max(1, (norm + 1e-6) / clip).
+                factor = max(1.0, (grad_norm + 1e-6) / ctx.clip_grad)
+                if factor > 1.0:
+                    for t in flat_grads:
+                        t.mul_(1.0 / factor)
+            param_grads = [pg for g, gs in zip(ctx.groups, grads) for pg in g.param_grads(gs)]
+            with record_function(f"ACCO::{kind.value}_step"):
+                if kind is RoundKind.COMMIT:
+                    before = _keep_shards_for_drift(ctx)
+                    ctx.shard_optimizer.commit(param_grads)
+                    if before is not None:
+                        drift = _drift(ctx, before)
+                    write_shards(ctx)
+                else:
+                    outs = [v for g in ctx.groups for v in g.shard_views(g.gather_view())]
+                    ctx.shard_optimizer.estimate_into(param_grads, outs)
+        del grads, flat_grads
+        with record_function("ACCO::all_gather"):
+            gather(ctx)
+    return RoundResult(kind, step, local, per_rank, grad_norm, drift, reports, started, time.perf_counter(),
+                       skipped=skipped)
+
+
+def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
+    """θ_t, kept for the drift metric in another rank's segment of B (free until the all-gather:
+    this rank only needs its own segment), so no shard-sized copy is allocated. Needs world > 1."""
+    if not ctx.track_drift or ctx.world < 2:
+        return None
+    other = (ctx.rank + 1) % ctx.world
+    kept = []
+    for g in ctx.groups:
+        for dst, src in zip(g.shard_views(g.reduce_view(RoundKind.COMMIT), rank=other), g.shard_values()):
+            dst.copy_(src.reshape(-1))
+            kept.append(dst)
+    return kept
+
+
+def _drift(ctx: RoundContext, before: List[torch.Tensor]) -> float:
+    """‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖ over all ranks. θ̃_{t+1} is what the compute lane runs
+    on during the commit phase: the live weights (their shard is read here, not copied)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=before[0].device)
+    after = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
+    estimate = [v for g in ctx.groups for v in g.live_shard_views()]
+    for new, old, est in zip(after, before, estimate):
+        sums[0] += _distance_sq(est, new, ctx.chunk_elems)
+        sums[1] += _distance_sq(new, old, ctx.chunk_elems)
+    collectives.sum_scalars(sums, ctx.process_group)
+    return float(sums[0].sqrt() / sums[1].sqrt()) if float(sums[1]) > 0 else float("nan")

@@ -1,0 +1,100 @@
+"""Every use of FSDP2's private internals, in one module (written against torch 2.13).
+
+FSDP2 exposes no public way to keep its unsharded parameters resident, reach them, or map a
+sharded parameter to its padded dim-0 shard -- the pieces ACCO's ZeRO-1-like configuration needs.
+A torch upgrade that moves them is a change to this file alone: the rest of the adapter sees
+:class:`FSDPParamView` and the functions below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+
+@dataclass(frozen=True)
+class FSDPParamView:
+    """What ACCO uses of one FSDP2 parameter (torch's private ``FSDPParam``)."""
+    sharded: torch.Tensor  # the sharded DTensor parameter: the user's optimizer steps it
+    unsharded: torch.Tensor  # the resident unsharded parameter the forward uses (param_dtype)
+    numel: int  # of the whole (unsharded) parameter
+    shape: torch.Size  # of the whole parameter
+    padded_shard_numel: int  # elements of one padded dim-0 shard
+    local_shard_size: torch.Size  # this rank's (unpadded) shard
+    module: torch.nn.Module  # the module that owns it
+    param_name: str  # its name in that module
+    mesh: object
+    reduce_dtype: torch.dtype  # the dtype gradients are reduced in
+    param_dtype: torch.dtype  # the dtype the forward computes in
+    _fsdp_param: object
+
+    def to_sharded_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """A local shard-shaped tensor as a DTensor with the sharded parameter's placement."""
+        return self._fsdp_param.to_sharded_dtensor(local)
+
+
+def fsdp_modules(model: torch.nn.Module) -> List[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def lazy_init(model: FSDPModule) -> None:
+    """FSDP's lazy initialisation, normally run by the first forward (it picks the root)."""
+    model._get_fsdp_state()._lazy_init()
+
+
+def param_groups(module: FSDPModule) -> list:
+    """The module's FSDP parameter groups (each with its own all-gather)."""
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def trainable_params(modules: List[FSDPModule]) -> List[FSDPParamView]:
+    """Every trainable FSDP parameter of ``modules``, after :func:`check_supported`."""
+    out = []
+    for m in modules:
+        for pg in param_groups(m):
+            for fp in pg.fsdp_params:
+                if not fp.sharded_param.requires_grad:
+                    continue
+                check_supported(fp)
+                info = fp._module_info
+                out.append(FSDPParamView(
+                    sharded=fp.sharded_param, unsharded=fp._unsharded_param, numel=fp._orig_size.numel(),
+                    shape=fp._orig_size, padded_shard_numel=fp.padded_sharded_param_size.numel(),
+                    local_shard_size=fp.sharded_size, module=info.module, param_name=info.param_name,
+                    mesh=fp.mesh_info.mesh, reduce_dtype=fp.reduce_dtype or fp.param_dtype or fp.orig_dtype,
+                    param_dtype=fp.param_dtype or fp.orig_dtype, _fsdp_param=fp))
+    return out
+
+
+def check_supported(fp) -> None:
+    """Refuse FSDP settings the adapter does not map (ValueError naming the fix)."""
+    mesh = fp.mesh_info.mesh
+    if mesh.ndim != 1:
+        raise ValueError("AccoFSDP supports one 1-D device mesh for every fully_shard call (plain FSDP, not HSDP or "
+                         "2-D meshes); fix: pass the same 1-D mesh to every fully_shard")
+    if fp.is_dtensor or fp.fsdp_placement.dim != 0:
+        raise ValueError("AccoFSDP shards parameters on dim 0 only, with plain (non-DTensor) module parameters; "
+                         "fix: drop shard_placement_fn / tensor parallelism")
+    if fp.offload_to_cpu:
+        raise ValueError("CPUOffloadPolicy is not supported by AccoFSDP; fix: remove offload_policy")
+
+
+def guard_regather(modules: List[FSDPModule], allowed: Callable[[], bool], message: str) -> Callable[[], None]:
+    """Make FSDP's re-gather of parameters it considers sharded raise ``RuntimeError(message)``
+    unless ``allowed()``; returns the function that removes the guard."""
+    guarded = [pg for m in modules for pg in param_groups(m)]
+    for pg in guarded:
+        inner = pg.unshard
+
+        def unshard(async_op: bool = False, _pg=pg, _inner=inner):
+            if not _pg.is_unsharded and not allowed():
+                raise RuntimeError(message)
+            return _inner(async_op)
+        pg.unshard = unshard  # instance attribute: FSDP's own calls go through it
+
+    def remove() -> None:
+        for pg in guarded:
+            pg.__dict__.pop("unshard", None)
+    return remove

@@ -1,0 +1,164 @@
+"""FSDP2's parameters as one :class:`~ds_acco.core.buffers.BufferGroup` of the shared schedule.
+
+The live weights are FSDP's resident unsharded parameters (one tensor per parameter,
+``param_dtype``), the shard parameters are FSDP's sharded DTensor parameters (the ones the user's
+optimizer holds), and G is a flat param-major accumulator (``reduce_dtype``) that a
+post-accumulate-grad hook adds into.
+
+B is rank-major: rank r's segment is the concatenation, over the parameters, of r's padded dim-0
+shard -- the layout of FSDP's own all-gather input -- so a reduce of B and a slice gives this rank
+exactly the gradients of its local shards, and an all-gather of the segments gives back every
+rank's shards in place. Moving a parameter between its param-major form and B's columns copies
+view to view: no temporary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..core.buffers import BufferGroup, swap_
+from ..core.rounds import RoundKind
+from ._torch_internals import FSDPParamView
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter: where its pieces live in each layout."""
+    param: FSDPParamView
+    live: torch.Tensor  # the resident unsharded parameter, flattened (a view: writes reach FSDP)
+    grad: torch.Tensor  # its gradient in G, flattened (a view)
+    offset: int  # start in every rank's segment of B
+    padded: int  # elements of one padded dim-0 shard
+    local: int  # elements of this rank's (unpadded) shard
+
+
+class FSDPBuffers(BufferGroup):
+    """Maps FSDP2's unsharded / sharded parameters onto the schedule's buffers."""
+
+    def __init__(self, params: Sequence[FSDPParamView], *, rank: int, world: int, accum_dtype: torch.dtype,
+                 live_dtype: torch.dtype, device: torch.device, estimate_dtype: Optional[torch.dtype] = None):
+        self.rank, self.world = rank, world
+        self.comm_dtype, self.live_dtype = accum_dtype, live_dtype
+        self.estimate_dtype = estimate_dtype if estimate_dtype != accum_dtype else None
+        self.grads = torch.zeros(sum(p.numel for p in params), dtype=accum_dtype, device=device)  # G, param-major
+        slots, offset, start = [], 0, 0
+        for p in params:
+            live = p.unsharded.detach().view(-1)
+            slots.append(Slot(p, live, self.grads.narrow(0, start, p.numel), offset, p.padded_shard_numel,
+                              p.local_shard_size.numel()))
+            offset += p.padded_shard_numel
+            start += p.numel
+        self.slots: List[Slot] = slots
+        self.segment = offset
+        self.comm = self.allocate_comm(world * offset, device, accum_dtype, live_dtype, self.estimate_dtype)
+
+    # -- one parameter between its flat (param-major) form and B's rank-major columns ----------
+    def _spans(self, slot: Slot):
+        """(rank, start in the flat parameter, length) of each rank's valid rows."""
+        n = slot.live.numel()
+        for r in range(self.world):
+            start = r * slot.padded
+            length = max(0, min(slot.padded, n - start))
+            yield r, start, length
+
+    def _to_comm(self, slot: Slot, flat: torch.Tensor, comm: torch.Tensor) -> None:
+        # Ranks holding a whole shard in one strided copy (Python work per phase stays O(params),
+        # not O(params × world)); then at most one partial shard and the empty ones.
+        cols = comm.view(self.world, self.segment)
+        full = min(self.world, slot.live.numel() // slot.padded) if slot.padded else 0
+        if full:
+            cols[:full, slot.offset:slot.offset + slot.padded].copy_(flat[:full * slot.padded].view(full, -1))
+        for r in range(full, self.world):
+            start = r * slot.padded
+            length = max(0, min(slot.padded, flat.numel() - start))
+            cols[r, slot.offset:slot.offset + length].copy_(flat[start:start + length])
+            # keep the padding 0 (another view of B may have left other bytes there)
+            cols[r, slot.offset + length:slot.offset + slot.padded].zero_()
+
+    def _from_comm(self, slot: Slot, comm: torch.Tensor, flat: torch.Tensor) -> None:
+        cols = comm.view(self.world, self.segment)
+        full = min(self.world, slot.live.numel() // slot.padded) if slot.padded else 0
+        if full:
+            flat[:full * slot.padded].view(full, -1).copy_(cols[:full, slot.offset:slot.offset + slot.padded])
+        for r in range(full, self.world):
+            start = r * slot.padded
+            length = max(0, min(slot.padded, flat.numel() - start))
+            if length:
+                flat[start:start + length].copy_(cols[r, slot.offset:slot.offset + length])
+
+    # -- BufferGroup ------------------------------------------------------------------------------
+    @property
+    def shard_params(self) -> List[torch.Tensor]:
+        """FSDP's sharded DTensor parameters (what the user's optimizer steps)."""
+        return [s.param.sharded for s in self.slots]
+
+    def shard_values(self) -> List[torch.Tensor]:
+        return [s.param.sharded.detach().to_local() for s in self.slots]
+
+    def shard_views(self, flat: torch.Tensor, rank: Optional[int] = None) -> List[torch.Tensor]:
+        seg = flat.view(self.world, self.segment)[self.rank if rank is None else rank]
+        return [seg.narrow(0, s.offset, s.local) for s in self.slots]
+
+    def live_shard_views(self) -> List[torch.Tensor]:
+        return [s.live.narrow(0, self.rank * s.padded, s.local) for s in self.slots]
+
+    def param_grads(self, views: List[torch.Tensor]) -> List[torch.Tensor]:
+        """This rank's segment of the mean gradient as DTensor gradients with the shards' placements."""
+        out = []
+        for s, v in zip(self.slots, views):
+            local = v.view(s.param.local_shard_size).to(s.param.sharded.dtype)
+            out.append(s.param.to_sharded_dtensor(local))
+        return out
+
+    def pack_grads(self, kind: RoundKind, clear: bool) -> None:
+        comm = self.reduce_view(kind)
+        for s in self.slots:
+            self._to_comm(s, s.grad, comm)
+        if clear:
+            self.grads.zero_()
+
+    def unpack_into_live(self) -> None:
+        gathered = self.gather_view()
+        for s in self.slots:
+            self._from_comm(s, gathered, s.live)
+
+    def swap_live_and_gathered(self) -> None:
+        cols = self.gather_view().view(self.world, self.segment)
+        for s in self.slots:
+            for r, start, length in self._spans(s):
+                if length:
+                    swap_(s.live.narrow(0, start, length), cols[r].narrow(0, s.offset, length))
+
+    def _live_flat(self) -> torch.Tensor:
+        return torch.cat([s.live for s in self.slots]).cpu()
+
+    def export_state(self, swapped: bool) -> dict:
+        """G (param-major), the live weights (param-major, model dtype) and B's gathered parameters
+        (rank-major), as the compute lane sees them."""
+        live, gathered = self._live_flat(), self.gather_view().detach().to("cpu", copy=True)
+        if swapped:  # inside committed_weights: the two hold each other's contents
+            as_live = torch.empty_like(live)
+            as_gathered = torch.zeros_like(gathered)
+            start = 0
+            for s in self.slots:
+                n = s.live.numel()
+                self._from_comm(s, gathered, as_live.narrow(0, start, n))
+                self._to_comm(s, live.narrow(0, start, n), as_gathered)
+                start += n
+            live, gathered = as_live, as_gathered
+        return {"grads": self.grads.detach().to("cpu", copy=True), "live": live, "gathered": gathered}
+
+    def import_state(self, state: dict) -> None:
+        with torch.no_grad():
+            self.grads.copy_(state["grads"])
+            self.gather_view().copy_(state["gathered"])
+            start = 0
+            for s in self.slots:
+                s.live.copy_(state["live"].narrow(0, start, s.live.numel()))
+                start += s.live.numel()
+
+    def layout(self) -> list:
+        return [self.world, self.segment, str(self.comm_dtype), str(self.live_dtype),
+                [list(s.param.shape) for s in self.slots]]
