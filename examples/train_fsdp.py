@@ -1,4 +1,4 @@
-"""Train the reference GPT-2 (:mod:`ds_acco.gpt`, as in train_gpt.py) with ACCO / DPU on an FSDP2 (``fully_shard``) model.
+"""Train the reference GPT-2 (:mod:`ds_acco.gpt`) with ACCO / DPU on an FSDP2 (``fully_shard``) model.
 
     torchrun --nproc_per_node 2 examples/train_fsdp.py
     torchrun --nproc_per_node 2 examples/train_fsdp.py --config ds_configs/dpu.json --steps 5 --bf16
