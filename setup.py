@@ -8,6 +8,8 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_acco", "ds_acco.*"]),
+    # The ready configs ship with the package (ds_configs/ in a checkout is a link to them).
+    package_data={"ds_acco.configs": ["*.json"]},
     python_requires=">=3.10",
     # Tested with torch 2.13.0 (CPU) and deepspeed 0.19.8. Install torch first: an unpinned
     # torch with none installed pulls a large CUDA build.

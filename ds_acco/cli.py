@@ -1,6 +1,8 @@
 """``python -m ds_acco``: command-line tools.
 
     python -m ds_acco check CONFIG.json     # the resolved "acco" block as JSON, or the errors (exit 2)
+    python -m ds_acco check acco.json       # a config shipped with ds_acco, by name
+    python -m ds_acco configs [NAME]        # paths of the shipped configs (ds_acco.configs)
     python -m ds_acco ab ...                # forwarded to python -m ds_acco.bench ab ...
     python -m ds_acco advise ...            # forwarded to python -m ds_acco.bench advise ...
     python -m ds_acco cluster-test ...      # forwarded to python -m ds_acco.bench cluster-test ...
@@ -8,7 +10,8 @@
 ``check`` validates the ``"acco"`` block (every key, with its default when absent) and, when ACCO is
 enabled, the DeepSpeed settings it depends on (ZeRO stage, an even ``gradient_accumulation_steps``
 in mode ``acco``, fp16 loss-scaling options, bf16 with fp32 accumulation, offload...), through DeepSpeed's own config
-parser, without starting any process group. The JSON goes to stdout, notes and errors to stderr.
+parser, without starting any process group. CONFIG is a path or, when no such file exists, the name
+of a shipped config. The JSON goes to stdout, notes and errors to stderr.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import json
 import os
 import sys
 from typing import List, Optional
+
+from . import configs
 
 EXIT_OK, EXIT_ERROR = 0, 2
 BENCH_MODULE = "ds_acco.bench.__main__"
@@ -35,12 +40,20 @@ def _has_auto(value) -> bool:
 
 
 def check(path: str, out=None, err=None) -> int:
-    """Validate the config at ``path``; print the resolved block (stdout) or the errors (stderr)."""
+    """Validate the config at ``path`` (or the shipped config of that name); print the resolved
+    block (stdout) or the errors (stderr)."""
     out, err = out or sys.stdout, err or sys.stderr
     from .config import ACCO_KEY, acco_config_of, check_deepspeed_compat, load_ds_config
 
     try:
-        raw = load_ds_config(path)
+        found = configs.resolve(path)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_ERROR
+    if found != path:
+        print(f"{path}: the config shipped with ds_acco, {found}", file=err)
+    try:
+        raw = load_ds_config(found)
         if not isinstance(raw, dict):
             raise ValueError(f"the top level must be a JSON object, got {type(raw).__name__}")
         acco = acco_config_of(raw)
@@ -71,6 +84,18 @@ def check(path: str, out=None, err=None) -> int:
     return EXIT_OK
 
 
+def list_configs(name: Optional[str] = None, out=None, err=None) -> int:
+    """Print the path of every shipped config, one per line (or of the one named ``name``)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        paths = [configs.path(name)] if name else [configs.path(n) for n in configs.names()]
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_ERROR
+    print("\n".join(paths), file=out)
+    return EXIT_OK
+
+
 def forward_to_bench(command: str, argv: List[str], err=None) -> int:
     """Run ``python -m ds_acco.bench COMMAND ARGV`` in this process, if the bench is installed."""
     err = err or sys.stderr
@@ -93,11 +118,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_acco", description="ds_acco: ACCO for DeepSpeed ZeRO-1.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="validate a DeepSpeed config's \"acco\" block; print it resolved as JSON")
-    c.add_argument("config", help="path to a DeepSpeed JSON config")
+    c.add_argument("config", help="path to a DeepSpeed JSON config, or the name of a shipped one (e.g. acco.json)")
+    c = sub.add_parser("configs", help="print the paths of the configs shipped with ds_acco")
+    c.add_argument("name", nargs="?", help="print only this one's path (e.g. acco.json)")
     for name in BENCH_COMMANDS:
         sub.add_parser(name, help=f"forwarded to python -m ds_acco.bench {name} (see its --help)", add_help=False)
     args = p.parse_args(argv)
+    if args.command == "configs":
+        return list_configs(args.name)
     return check(args.config)
 
 
-__all__ = ["check", "forward_to_bench", "main"]
+__all__ = ["check", "forward_to_bench", "list_configs", "main"]

@@ -14,7 +14,7 @@ the optimizer's lr / betas / eps / weight decay, ``gradient_clipping``) are set
 to ``"auto"`` in the config given; the config contributes the ZeRO stage, the optimizer type and
 the ``"acco"`` block. ACCO's mode ``acco`` needs an even ``--gradient-accumulation-steps``.
 
-The model is GPT-2 from a ``GPT2Config`` with random initialisation (vocabulary: 256 bytes); the
+The model is the reference GPT-2 of :mod:`ds_acco.gpt` with random initialisation (256 bytes); the
 data is the embedded standard-library docstring corpus of :mod:`ds_acco.data`, or ``--data-path``.
 Nothing is downloaded. Rank 0 prints ``FINETUNE_RESULT {json}`` at the end (the losses the
 Trainer logged, the held-out loss evaluated on committed weights, the engine's classes).
@@ -32,6 +32,9 @@ import warnings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
 
+from ds_acco import configs  # noqa: E402
+from ds_acco.gpt import gpt2_config  # noqa: E402  (the reference model's GPT2Config)
+
 RESULT_TAG = "FINETUNE_RESULT"
 # Keys HF's DeepSpeed integration fills from TrainingArguments when they are "auto".
 _AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
@@ -40,7 +43,7 @@ _AUTO_OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--deepspeed_config", "--deepspeed-config", default=os.path.join(REPO, "ds_configs", "acco.json"),
+    p.add_argument("--deepspeed_config", "--deepspeed-config", default=configs.path("acco.json"),
                    help="DeepSpeed JSON config; its 'acco' block switches ACCO on")
     p.add_argument("--output-dir", default=None, help="Trainer output dir (default: a temporary directory)")
     p.add_argument("--data-path", default="embedded",
@@ -127,11 +130,9 @@ def fix_accelerate_on_cpu_host() -> None:
 
 
 def build_model(args):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(vocab_size=256, n_positions=args.seq_length, n_embd=args.n_embd, n_layer=args.n_layer,
-                        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=None, eos_token_id=None, pad_token_id=None)  # bytes: no special tokens
-    return GPT2LMHeadModel(config)
+    """The bare HF model of the reference GPT (the Trainer feeds it ``input_ids`` and ``labels``)."""
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel(gpt2_config(args.seq_length, args.n_embd, args.n_layer, n_head=4))
 
 
 def main(argv=None) -> dict:

@@ -12,8 +12,8 @@ overrides the config's value). The script calls ``engine.step()`` after every mi
 DeepSpeed expects; with ACCO the commit of iteration k lands during iteration k+1, and
 ``engine.global_steps`` counts commits.
 
-* Model: GPT-2 from a ``GPT2Config`` (``--num-layers``, ``--hidden-size``, ``--num-attention-heads``,
-  ``--seq-length``), random initialisation, vocabulary of 256 bytes, no dropout.
+* Model: the reference GPT-2 of :mod:`ds_acco.gpt` (``--num-layers``, ``--hidden-size``,
+  ``--num-attention-heads``, ``--seq-length``), random initialisation, vocabulary of 256 bytes, no dropout.
 * Data: ``--data-path`` -- default the embedded standard-library docstring corpus (no network); a
   local text / JSON / CSV / parquet file or directory; or a hub dataset ``name[:config]`` when
   online. Byte-tokenized; 2 % of the sequences are held out.
@@ -41,6 +41,9 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
 
+from ds_acco import configs  # noqa: E402
+from ds_acco.gpt import CausalLM, param_groups  # noqa: E402  (the reference model)
+
 RESULT_TAG = "PRETRAIN_RESULT"
 
 
@@ -48,7 +51,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = p.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true", help="accepted for Megatron compatibility (always on)")
-    g.add_argument("--deepspeed_config", "--deepspeed-config", default=os.path.join(REPO, "ds_configs", "acco.json"),
+    g.add_argument("--deepspeed_config", "--deepspeed-config", default=configs.path("acco.json"),
                    help="DeepSpeed JSON config; its 'acco' block picks stock ZeRO-1, ACCO or DPU")
     g.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
     g = p.add_argument_group("training")
@@ -79,29 +82,6 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
-
-
-class GPT(torch.nn.Module):
-    """GPT-2 (transformers config, random init) returning the mean next-token loss of
-    ``[batch, seq_length + 1]`` byte rows."""
-
-    def __init__(self, args):
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-        config = GPT2Config(vocab_size=256, n_positions=args.seq_length, n_embd=args.hidden_size,
-                            n_layer=args.num_layers, n_head=args.num_attention_heads,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-        self.lm = GPT2LMHeadModel(config)
-
-    def forward(self, rows):
-        logits = self.lm(input_ids=rows[:, :-1], use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
-
-
-def param_groups(model):
-    """Weight decay on matrices only."""
-    return [{"params": [p for p in model.parameters() if p.ndim >= 2]},
-            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
 
 
 def mean_across_ranks(values) -> float:
@@ -145,7 +125,7 @@ def main(argv=None) -> dict:
         config.pop("train_batch_size", None)  # DeepSpeed derives it again
 
     torch.manual_seed(args.seed)
-    model = GPT(args)
+    model = CausalLM(args.seq_length, args.hidden_size, args.num_layers, args.num_attention_heads)
     engine, _, _, _ = ds_acco.initialize(model=model, model_parameters=param_groups(model), config=config)
     gas, mbs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
 

@@ -1,4 +1,4 @@
-"""Train the small GPT-2 of train_gpt.py with ACCO / DPU on an FSDP2 (``fully_shard``) model.
+"""Train the reference GPT-2 (:mod:`ds_acco.gpt`) with ACCO / DPU on an FSDP2 (``fully_shard``) model.
 
     torchrun --nproc_per_node 2 examples/train_fsdp.py
     torchrun --nproc_per_node 2 examples/train_fsdp.py --config ds_configs/dpu.json --steps 5 --bf16
@@ -21,15 +21,16 @@ import time
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
-sys.path.insert(0, HERE)
+
+from ds_acco import configs  # noqa: E402
+from ds_acco.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402  (the reference model)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=os.path.join(REPO, "ds_configs", "acco.json"),
+    p.add_argument("--config", default=configs.path("acco.json"),
                    help="DeepSpeed-style JSON config with an 'acco' block")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
@@ -71,7 +72,6 @@ def main(argv=None) -> None:
     import ds_acco
     from ds_acco.data import build_splits, heldout_batches, micro_batches
     from ds_acco.fsdp import AccoFSDP
-    from train_gpt import CausalLM, heldout_loss, param_groups
 
     with open(args.config) as f:
         cfg = json.load(f)

@@ -33,10 +33,13 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
 
+from ds_acco import configs  # noqa: E402
+from ds_acco.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402  (the reference model)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--deepspeed_config", default=os.path.join(REPO, "ds_configs", "acco.json"),
+    p.add_argument("--deepspeed_config", default=configs.path("acco.json"),
                    help="DeepSpeed JSON config; its 'acco' block picks stock ZeRO-1, ACCO or DPU")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (per run with --ab)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
@@ -57,46 +60,6 @@ def parse_args(argv=None):
     if args.steps < 1:
         p.error("--steps must be >= 1")
     return args
-
-
-# -- model -------------------------------------------------------------------------------------
-class CausalLM(torch.nn.Module):
-    """GPT-2 whose forward takes ``[batch, seq_len + 1]`` token rows and returns the mean
-    next-token cross-entropy (inputs ``row[:-1]``, targets ``row[1:]``)."""
-
-    def __init__(self, seq_len: int, vocab_size: int = 256):
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-        config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=128, n_layer=2, n_head=4,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: A/B runs match
-                            bos_token_id=None, eos_token_id=None)  # GPT-2's 50256 is not a byte
-        self.lm = GPT2LMHeadModel(config)
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=rows[:, :-1], use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
-
-
-def param_groups(model: torch.nn.Module):
-    """Weight decay (the config's) on matrices only; none on biases and LayerNorm weights."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-@torch.no_grad()
-def heldout_loss(module: torch.nn.Module, batches) -> float:
-    """Token-weighted mean loss over every rank's held-out batches (a collective: all ranks call it)."""
-    was_training = module.training
-    module.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    for rows in batches:
-        n = rows[:, 1:].numel()
-        total[0] += module(rows).double() * n
-        total[1] += n
-    dist.all_reduce(total)
-    module.train(was_training)
-    return (total[0] / total[1]).item()
 
 
 # -- configs -----------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     p.add_argument("--n-embd", type=int, default=384)
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--config", default=runner.DEFAULT_CONFIG, help="base DeepSpeed config (its acco block is "
-                   "replaced per variant)")
+    p.add_argument("--config", default=runner.DEFAULT_CONFIG, help="base DeepSpeed config, a path or the name of a "
+                   "shipped one (python -m ds_acco configs); its acco block is replaced per variant (default: the "
+                   "shipped zero1.json)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_results", help="output folder")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before every rank is killed")
@@ -34,6 +35,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     p.add_argument("--subnet", type=int, default=0, help="10.250.<subnet>.0/24 inside the namespaces")
     p.add_argument("--slow-rank", type=int, default=-1, help="rank whose compute is slowed (heterogeneous run)")
     p.add_argument("--slow-factor", type=float, default=1.0, help="that rank computes this many times slower")
+    p.add_argument("--dry-run", action="store_true", help="resolve and check the configs, variants and every rank's "
+                   "command; print them as JSON and launch nothing")
     if not probe_only:
         p.add_argument("--steps", type=int, default=6, help="committed steps per variant, warm-up included")
         p.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings")
@@ -83,8 +86,7 @@ def cmd_cluster_test(a) -> int:
     with cluster.Cluster(a.nodes, rates, prefix=a.prefix, subnet=a.subnet) as cl:
         print(f"cluster: {cl.describe()}", flush=True)
         argv = [sys.executable, "-m", "ds_acco.bench.nettest", "--mbytes", str(a.mbytes)]
-        envs = [{**cl.rank_env(r, 29400), "PYTHONPATH": runner.REPO, "OMP_NUM_THREADS": "1"}
-                for r in range(a.nodes)]
+        envs = [{**cl.rank_env(r, 29400), "OMP_NUM_THREADS": "1"} for r in range(a.nodes)]
         outs = cluster.launch([cl.wrap(r, argv) for r in range(a.nodes)], envs, timeout_s=a.timeout)
     results = [json.loads(next(line for line in o.splitlines() if line.startswith("{"))) for o in outs]
     problems = [f"rank {r['rank']}: default route present ({r['default_route']})" for r in results
@@ -94,14 +96,34 @@ def cmd_cluster_test(a) -> int:
     return 1 if problems else 0
 
 
+def _json_lines(value, depth: int = 2, indent: str = "") -> str:
+    """JSON with the first ``depth`` levels one entry per line and anything deeper on one line."""
+    if depth == 0 or not isinstance(value, (dict, list)) or not value:
+        return json.dumps(value)
+    inner = indent + " "
+    items = [(f"{json.dumps(k)}: " if isinstance(value, dict) else "") + _json_lines(v, depth - 1, inner)
+             for k, v in (value.items() if isinstance(value, dict) else enumerate(value))]
+    open_, close = "{}" if isinstance(value, dict) else "[]"
+    return open_ + "\n" + ",\n".join(inner + i for i in items) + "\n" + indent + close
+
+
+def _print_plan(spec: runner.ABSpec, out_dir: str) -> int:
+    print(_json_lines(runner.plan(spec, os.path.join(out_dir, f"{spec.name()}.raw.json"))))
+    return 0
+
+
 def cmd_ab(a) -> int:
     spec = _spec(a)
+    if a.dry_run:
+        return _print_plan(spec, a.out)
     summary = runner.run_ab(spec, a.out, command="python -m ds_acco.bench " + shlex.join(sys.argv[1:]))
     return 0 if summary["variants"] else 1
 
 
 def cmd_advise(a) -> int:
     spec = _spec(a, steps=1, variants=(), label=a.label or f"probe-{_spec(a).name()}")
+    if a.dry_run:
+        return _print_plan(spec, a.out)
     raw = runner.launch_workers(spec, os.path.join(a.out, f"{spec.name()}.raw.json"))
     tok = a.micro_batch * a.seq_len
     probe = advisor.Probe.from_measured(raw["probe"], tokens_per_micro_batch=tok, cores=os.cpu_count(),
@@ -172,7 +194,7 @@ def main(argv=None) -> int:
     except cluster.LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    except ValueError as exc:  # bad arguments (e.g. an unknown variant)
+    except (ValueError, FileNotFoundError) as exc:  # bad arguments (e.g. an unknown variant or config)
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -3,8 +3,9 @@ seed and global batch, on the emulated cluster (root) or on loopback.
 
 :func:`run_ab` writes the spec, launches one :mod:`ds_acco.bench.worker` per rank, and turns
 the ranks' raw records into a summary (:func:`summarize`), which :mod:`ds_acco.bench.report`
-writes as JSON, Markdown and PNG plots. The bookkeeping functions here are pure (raw dicts
-in, numbers out) so they are unit-tested without launching anything.
+writes as JSON, Markdown and PNG plots. :func:`plan` is the dry run: what would be launched,
+resolved and checked. The bookkeeping functions here are pure (raw dicts in, numbers out) so
+they are unit-tested without launching anything.
 """
 from __future__ import annotations
 
@@ -15,13 +16,19 @@ import socket
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from .. import configs
 from . import advisor, cluster
-from .worker import VARIANTS, is_fsdp, mode_of
+from .worker import VARIANTS, check_fsdp_config, is_fsdp, mode_of, variant_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_CONFIG = os.path.join(REPO, "ds_configs", "zero1.json")
+DEFAULT_CONFIG = configs.path("zero1.json")  # stock ZeRO-1; each variant replaces its acco block
+# What the runner sets for every rank on top of the inherited environment (PYTHONPATH and
+# TORCH_EXTENSIONS_DIR, if set, pass through). A fixed mmap threshold: large tensors are always
+# mmapped and returned on free, so the peak-RSS delta of a variant counts its own allocations
+# (glibc's sliding threshold would let a later variant reuse an earlier one's freed heap).
+WORKER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+EMULATED_PORT = 29500
 LOOPBACK_NOTE = ("loopback: all ranks share this machine's cores and 127.0.0.1; gloo's copies and reductions are "
                  "CPU-bound and compete with compute for the same cores, so there is no idle network time for "
                  "ACCO to fill and no speed-up can show (run as root for the emulated cluster with shaped links)")
@@ -50,7 +57,7 @@ class ABSpec:
     slow_factor: float = 1.0
     dynamic_min: Optional[int] = None
     dynamic_max: Optional[int] = None
-    base_config: str = DEFAULT_CONFIG
+    base_config: str = DEFAULT_CONFIG  # a path, or the name of a shipped config (ds_acco.configs)
     target_loss: Optional[float] = None
     timeout_s: float = 3600.0
     prefix: str = "accob"
@@ -87,7 +94,8 @@ class ABSpec:
                 "model": {"n_embd": self.n_embd, "n_layer": self.n_layer, "n_head": self.n_head},
                 "eval_every": self.eval_every, "eval_batches": self.eval_batches, "slow_rank": self.slow_rank,
                 "slow_factor": self.slow_factor, "dynamic_min": self.dynamic_min, "dynamic_max": self.dynamic_max,
-                "base_config": os.path.abspath(self.base_config), "raw_out": os.path.abspath(raw_out), "threads": 1}
+                "base_config": os.path.abspath(configs.resolve(self.base_config)), "raw_out": os.path.abspath(raw_out),
+                "threads": 1}
 
 
 def _free_port() -> int:
@@ -96,40 +104,93 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spec_path(raw_out: str) -> str:
+    return os.path.splitext(os.path.abspath(raw_out))[0] + ".spec.json"
+
+
+def worker_argv(spec_path: str) -> List[str]:
+    """One rank's command: the installed worker module under this interpreter."""
+    return [sys.executable, "-m", "ds_acco.bench.worker", spec_path]
+
+
+def rank_launches(spec: ABSpec, argv: Sequence[str], *, cl: Optional[cluster.Cluster] = None,
+                  port: Optional[int] = None) -> List[Tuple[List[str], Dict[str, str]]]:
+    """Each rank's command and the environment the runner adds: inside ``cl``'s namespaces, or on
+    loopback at ``port``."""
+    if cl is not None:
+        return [(cl.wrap(r, argv), {**WORKER_ENV, **cl.rank_env(r, EMULATED_PORT)}) for r in range(spec.world)]
+    return [(list(argv), {**WORKER_ENV, **cluster.loopback_env(r, spec.world, port)}) for r in range(spec.world)]
+
+
+def check_variant_config(variant: str, cfg: dict) -> None:
+    """What each rank would refuse at start-up, found before anything is launched: the acco block,
+    and DeepSpeed's own parse (DeepSpeed variants) or the FSDP variants' limits."""
+    from ..config import acco_config_of, check_deepspeed_compat
+    try:
+        acco = acco_config_of(cfg)
+        if is_fsdp(variant):
+            check_fsdp_config(cfg)
+            return
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # parsing needs no device
+        from deepspeed.runtime.config import DeepSpeedConfig
+        ds = DeepSpeedConfig(cfg)
+        if acco.enabled:
+            check_deepspeed_compat(acco, ds)
+    except Exception as exc:  # DeepSpeed's parser raises AssertionError, pydantic errors...
+        raise ValueError(f"variant {variant}: {exc}") from exc
+
+
+def plan(spec: ABSpec, raw_out: str) -> dict:
+    """The dry run of :func:`launch_workers`: the resolved base config, each variant's config
+    (checked by :func:`check_variant_config`), the network and every rank's command and added
+    environment. Launches nothing, builds no namespace, writes nothing."""
+    ws = spec.worker_spec(raw_out)
+    with open(ws["base_config"]) as f:
+        base = json.load(f)
+    variants = {v: variant_config(base, v, ws) for v in spec.variants}
+    for v, cfg in variants.items():
+        check_variant_config(v, cfg)
+    network = spec.resolved_network()
+    argv = worker_argv(_spec_path(raw_out))
+    if network == "emulated":
+        cl = cluster.Cluster(spec.world, spec.rates(), prefix=spec.prefix, subnet=spec.subnet, dry_run=True)
+        setup, launches = cl.describe(), rank_launches(spec, argv, cl=cl)
+    elif network == "loopback":
+        setup, launches = LOOPBACK_NOTE, rank_launches(spec, argv, port=_free_port())  # a real run picks its own
+    else:
+        raise ValueError(f"network {spec.network!r}: use 'auto', 'emulated' or 'loopback'")
+    return {"label": spec.name(), "network": network, "setup": setup, "base_config": ws["base_config"],
+            "spec_file": _spec_path(raw_out), "worker_spec": ws, "variants": variants,
+            "ranks": [{"command": cmd, "env": env} for cmd, env in launches]}
+
+
 def launch_workers(spec: ABSpec, raw_out: str, out=None) -> dict:
     """Run the workers on the chosen network; return rank 0's raw records and the setup."""
     out = out or sys.stdout
     os.makedirs(os.path.dirname(os.path.abspath(raw_out)), exist_ok=True)
-    spec_path = os.path.splitext(raw_out)[0] + ".spec.json"
+    spec_path = _spec_path(raw_out)
     with open(spec_path, "w") as f:
         json.dump(spec.worker_spec(raw_out), f, indent=1)
-    argv = [sys.executable, "-m", "ds_acco.bench.worker", spec_path]
-    # A fixed mmap threshold: large tensors are always mmapped and returned on free, so the
-    # peak-RSS delta of a variant counts its own allocations (glibc's sliding threshold would
-    # let a later variant reuse an earlier one's freed heap and look smaller).
-    common = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": REPO + os.pathsep +
-              os.environ.get("PYTHONPATH", ""), "TORCH_EXTENSIONS_DIR": os.environ.get(
-                  "TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))}
+    argv = worker_argv(spec_path)
     network = spec.resolved_network()
     if network == "emulated":
         with cluster.Cluster(spec.world, spec.rates(), prefix=spec.prefix, subnet=spec.subnet) as cl:
             setup = cl.describe()
             out.write(f"network: {setup}\n")
-            envs = [{**common, **cl.rank_env(r, 29500)} for r in range(spec.world)]
+            cmds, envs = zip(*rank_launches(spec, argv, cl=cl))
             try:
-                cluster.launch([cl.wrap(r, argv) for r in range(spec.world)], envs, timeout_s=spec.timeout_s,
-                               stream=out)
+                cluster.launch(cmds, envs, timeout_s=spec.timeout_s, stream=out)
             finally:
-                cluster.sweep_deepspeed_shm(29500)
+                cluster.sweep_deepspeed_shm(EMULATED_PORT)
     elif network == "loopback":
         setup = LOOPBACK_NOTE
         out.write(f"network: {setup}\n")
         if spec.rate:
             out.write(f"note: --rate {spec.rate} ignored on loopback (shaping needs the emulated cluster)\n")
         port = _free_port()
-        envs = [{**common, **cluster.loopback_env(r, spec.world, port)} for r in range(spec.world)]
+        cmds, envs = zip(*rank_launches(spec, argv, port=port))
         try:
-            cluster.launch([argv] * spec.world, envs, timeout_s=spec.timeout_s, stream=out)
+            cluster.launch(cmds, envs, timeout_s=spec.timeout_s, stream=out)
         finally:
             cluster.sweep_deepspeed_shm(port)
     else:

@@ -18,16 +18,15 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _trace_variant(variant: str, spec: dict, base_cfg: dict, rows, rank: int, world: int) -> dict:
     import torch
 
     import ds_acco
     from ds_acco.data import micro_batches
+    from ds_acco.gpt import param_groups
 
-    from .worker import build_model, param_groups, variant_config
+    from .worker import build_model, variant_config
     cfg = variant_config(base_cfg, variant, spec)
     model = build_model(spec)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3, betas=(0.9, 0.95))
@@ -138,6 +137,7 @@ def plot(traces, path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    from .. import configs
     from . import cluster
     ap = argparse.ArgumentParser(prog="python -m ds_acco.bench timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="1gbit", help="link rate on the emulated cluster (root only)")
@@ -145,21 +145,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--n-embd", type=int, default=384)
     ap.add_argument("--n-layer", type=int, default=6)
-    ap.add_argument("--out", default="docs/timeline.png")
+    ap.add_argument("--out", default="bench_results/timeline.png")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
     spec = {"seed": 0, "seq_len": 32, "micro_batch": 4, "gas": args.gas, "steps": args.steps,
             "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "n_head": 6},
-            "base_config": os.path.join(REPO, "ds_configs", "zero1.json")}
+            "base_config": configs.path("zero1.json")}
     with tempfile.TemporaryDirectory() as tmp:
         spec["out"] = os.path.join(tmp, "trace.json")
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         argv_w = [sys.executable, "-m", "ds_acco.bench.timeline", "--worker", spec_path]
-        common = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO,
-                  "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                         os.path.join(REPO, ".cache", "torch_extensions"))}
+        common = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # the rest of the environment is inherited
         if cluster.is_root():
             with cluster.Cluster(2, args.rate, prefix="accotl", subnet=251) as cl:
                 where = f"emulated cluster, 2 nodes, {args.rate} links"

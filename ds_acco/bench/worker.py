@@ -31,6 +31,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ds_acco.gpt import CausalLM, heldout_loss, param_groups
+
 DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu")
 FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
 VARIANTS = DS_VARIANTS + FSDP_VARIANTS
@@ -46,29 +48,8 @@ def is_fsdp(variant: str) -> bool:
 
 
 # -- model ---------------------------------------------------------------------------------------
-class CausalLM(torch.nn.Module):
-    """A GPT-2 (transformers, random init, no dropout) whose forward takes ``[batch, seq+1]``
-    token rows and returns the mean next-token cross-entropy."""
-
-    def __init__(self, seq_len: int, n_embd: int, n_layer: int, n_head: int, vocab_size: int = 256):
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-        cfg = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-        self.lm = GPT2LMHeadModel(cfg)
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=rows[:, :-1], use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
-
-
-def param_groups(model: torch.nn.Module):
-    """Weight decay on matrices only."""
-    return [{"params": [p for p in model.parameters() if p.ndim >= 2]},
-            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-
-
 def build_model(spec: dict) -> CausalLM:
+    """The reference GPT (:mod:`ds_acco.gpt`) at the spec's size, from the spec's seed."""
     torch.manual_seed(spec["seed"])  # same initial weights in every variant
     m = spec["model"]
     return CausalLM(spec["seq_len"], m["n_embd"], m["n_layer"], m["n_head"])
@@ -352,20 +333,6 @@ def _slow_down(factor: float, elapsed: float) -> None:
 
 
 # -- one variant ----------------------------------------------------------------------------------
-def heldout_loss(module: torch.nn.Module, batches) -> float:
-    was = module.training
-    module.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for rows in batches:
-            n = rows[:, 1:].numel()
-            total[0] += module(rows).double() * n
-            total[1] += n
-    dist.all_reduce(total)
-    module.train(was)
-    return (total[0] / total[1]).item()
-
-
 def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_rows, rank: int, world: int,
                 say) -> dict:
     """Train one variant for ``spec['steps']`` committed steps; this rank's raw records."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The BENCHMARKS.md matrix on the emulated cluster (needs root). Usage:
-#   bash ds_acco/bench/matrix.sh [OUT_DIR]
+#   bash scripts/bench_matrix.sh [OUT_DIR]
 # Each run writes <label>.json/.md/_*.png into OUT_DIR; `summarize` combines them at the end.
 # Ordered by priority, so a cut-short matrix still has the main comparisons.
 set -uo pipefail

@@ -1,0 +1,162 @@
+"""What the installed package needs ships with it: the ready configs (``ds_acco.configs``), the
+reference model (``ds_acco.gpt``) and the bench, which runs without the repository.
+
+The end-to-end test builds a wheel of this checkout, installs it with ``--no-deps`` into a fresh
+venv outside the repository (the dependencies come from this interpreter's site-packages through
+a ``.pth`` file, so nothing is downloaded), and from a directory outside the repository runs
+``python -m ds_acco check`` on a shipped config by name and the A/B runner's dry run.
+"""
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ds_acco import cli, configs
+from ds_acco.bench import runner
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = {"acco.json", "acco_bf16.json", "acco_dynamic.json", "acco_fp16.json", "dpu.json", "zero1.json"}
+
+
+# -- in this interpreter (fast) ------------------------------------------------------------------------
+def test_shipped_configs_are_found_by_name():
+    assert set(configs.names()) == SHIPPED
+    assert configs.path("acco") == configs.path("acco.json") == os.path.join(configs.FOLDER, "acco.json")
+    assert configs.resolve("dpu.json") == configs.path("dpu")
+    with pytest.raises(FileNotFoundError, match="zero1.json"):  # the message lists what exists
+        configs.path("nope.json")
+    with pytest.raises(FileNotFoundError):
+        configs.path("../setup.py")
+
+
+def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acco.json").write_text("{}")
+    assert configs.resolve("acco.json") == "acco.json"
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        configs.resolve(str(tmp_path / "missing" / "acco.json"))  # a path is never looked up by name
+
+
+def test_check_takes_a_shipped_name():
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.check("dpu.json", out=out, err=err) == 0, err.getvalue()
+    assert json.loads(out.getvalue())["acco"]["mode"] == "dpu"
+    assert configs.path("dpu.json") in err.getvalue()  # says which file it checked
+
+
+def test_configs_command_prints_paths(capsys):
+    assert cli.main(["configs"]) == 0
+    assert capsys.readouterr().out.split() == [configs.path(n) for n in sorted(SHIPPED)]
+    assert cli.main(["configs", "nope"]) == 2
+
+
+def test_dry_run_plan_resolves_everything_and_launches_nothing(tmp_path):
+    spec = runner.ABSpec(network="loopback", variants=("stock", "fixed", "fsdp_dpu"), base_config="zero1.json")
+    plan = runner.plan(spec, str(tmp_path / "out" / "x.raw.json"))
+    assert plan["base_config"] == configs.path("zero1.json")
+    assert plan["variants"]["fixed"]["acco"]["enabled"] is True and "acco" not in plan["variants"]["stock"]
+    assert [r["env"]["RANK"] for r in plan["ranks"]] == ["0", "1"]
+    for r in plan["ranks"]:
+        assert r["command"][:3] == [sys.executable, "-m", "ds_acco.bench.worker"]
+        assert "PYTHONPATH" not in r["env"] and "TORCH_EXTENSIONS_DIR" not in r["env"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_refuses_a_config_a_variant_cannot_run(tmp_path):
+    bad = tmp_path / "stage2.json"
+    bad.write_text(json.dumps({**json.load(open(configs.path("zero1.json"))), "zero_optimization": {"stage": 2}}))
+    spec = runner.ABSpec(network="loopback", variants=("stock", "fixed"), base_config=str(bad))
+    with pytest.raises(ValueError, match="variant fixed: zero_optimization.stage = 2"):
+        runner.plan(spec, str(tmp_path / "x.raw.json"))
+
+
+# -- a wheel in a fresh venv ---------------------------------------------------------------------------
+def _wheel_tooling() -> str:
+    """Why a wheel cannot be built here, or '' when it can."""
+    if importlib.util.find_spec("pip") is None:
+        return "pip is not installed"
+    if importlib.util.find_spec("setuptools") is None:
+        return "setuptools is not installed"
+    from importlib.metadata import version  # not `import setuptools`: after distutils it refuses to load
+    found = version("setuptools")
+    if tuple(int(x) for x in found.split(".")[:2]) < (70, 1) and importlib.util.find_spec("wheel") is None:
+        return f"setuptools {found} needs the 'wheel' package to build wheels"  # bdist_wheel joined setuptools in 70.1
+    return ""
+
+
+def _run(argv, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=180, **kw)
+    assert proc.returncode == 0, f"{argv}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _inside(path, folder) -> bool:
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))  # venv/bin/python is a link: no realpath
+
+
+@pytest.mark.skipif(bool(_wheel_tooling()), reason=_wheel_tooling() or "ok")
+def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
+    assert not _inside(tmp_path, REPO)
+    # Build from a copy: an in-tree build would leave build/ and *.egg-info in the checkout.
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".cache", ".pytest_cache", "bench_results",
+        "runs", "docs"))
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", dist,
+          src])
+    (wheel,) = dist.glob("ds_acco-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {f"ds_acco/configs/{n}" for n in SHIPPED} <= set(names)
+    assert {"ds_acco/gpt.py", "ds_acco/data.py", "ds_acco/bench/worker.py"} <= set(names)
+    assert not [n for n in names if n.split("/")[0] in ("tests", "examples", "scripts", "ds_configs", "docs")]
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv])
+    py = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel])
+    # The dependencies (torch, deepspeed, transformers...) from this interpreter, not the checkout.
+    site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "ds_acco_test_deps.pth").write_text("".join(p + "\n" for p in sorted(ours)))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(DS_ACCELERATOR="cpu", PYTHONNOUSERSITE="1")
+    work = tmp_path / "work"
+    work.mkdir()
+    where = _run([py, "-c", "import ds_acco, ds_acco.configs; print(ds_acco.__file__); print(ds_acco.configs.FOLDER)"],
+                 cwd=work, env=env).stdout.split()
+    assert all(_inside(p, venv) for p in where), where  # the wheel, not the checkout
+
+    check = _run([py, "-m", "ds_acco", "check", "acco.json"], cwd=work, env=env)
+    assert json.loads(check.stdout)["acco"]["enabled"] is True
+    assert str(Path(where[1]) / "acco.json") in check.stderr  # names the shipped file it checked
+
+    listed = _run([py, "-m", "ds_acco", "configs"], cwd=work, env=env).stdout.split()
+    assert {Path(p).name for p in listed} == SHIPPED and all(_inside(p, venv) for p in listed)
+
+    dry = _run([py, "-m", "ds_acco", "ab", "--dry-run", "--network", "loopback", "--variants", "all",
+                "--out", work / "out"], cwd=work, env=env)
+    plan = json.loads(dry.stdout)
+    assert _inside(plan["base_config"], venv) and Path(plan["base_config"]).name == "zero1.json"
+    assert len(plan["variants"]) == 8 and len(plan["ranks"]) == 2
+    for r in plan["ranks"]:
+        assert r["command"][1:3] == ["-m", "ds_acco.bench.worker"] and _inside(r["command"][0], venv)
+        assert "PYTHONPATH" not in r["env"]
+    assert not (work / "out").exists()  # a dry run writes nothing
+
+    # The reference model builds and computes a loss from the installed package.
+    loss = _run([py, "-c", "import torch; from ds_acco.gpt import CausalLM; torch.manual_seed(0); "
+                 "print(CausalLM(8, n_embd=16, n_layer=1, n_head=2)(torch.zeros(2, 9, dtype=torch.long)).item())"],
+                cwd=work, env=env).stdout
+    assert float(loss) > 0
