@@ -16,8 +16,10 @@ Supported (:func:`supports`), with the exact op sequence of each optimizer's own
 * DeepSpeed's ``DeepSpeedCPUAdam`` (fp32 parameters and states): its AVX kernel's float ops,
   each fused multiply-add emulated in float64 then rounded to float32 (bit-identical except,
   with a probability of about 2^-28 per element and FMA, a double rounding off by one ulp);
-* DeepSpeed's ``FusedAdam`` (CUDA, fp32 parameters): its kernel's formulas in float32; the
-  CUDA compiler may contract some of them into FMAs, so results agree to a few ulps.
+* DeepSpeed's ``FusedAdam`` (CUDA, fp32 parameters): its kernel's formulas in float32 as
+  written, every product and sum rounded, and its step counter (kept in the state of each
+  group's last parameter); nvcc may contract some of them into FMAs, so on CUDA results may
+  differ by an ulp or so (not measured: no GPU was available when this was written).
 
 Anything else (other optimizers or subclasses, torch's ``fused``/``capturable``/
 ``differentiable`` variants, tensor learning rates or betas, complex or sparse tensors, AMP
@@ -38,8 +40,10 @@ DEFAULT_CHUNK_ELEMS = 1 << 20
 """1 Mi elements: 4 MiB per fp32 buffer; a 7B model on 8 ranks has 875 M elements per shard (0.12 %)."""
 
 WORKSPACE_BUFFERS = 4
-"""At most this many chunk-sized buffers are allocated per call (in the parameter's dtype); the
-DeepSpeedCPUAdam emulation adds one float64 buffer of a chunk (counted as two)."""
+"""At most this many chunk-sized buffers (in the parameter's dtype) are allocated per call: SGD
+uses up to 3, Adam/AdamW and FusedAdam up to 4, one fewer when the output has the parameter's
+dtype (the result is then computed in the output itself). DeepSpeedCPUAdam's emulation adds one
+float64 chunk buffer (its FMAs)."""
 
 _GROUP_PARAMS = "params"
 _FUSED_ADAM_DEVICES = ("cuda",)  # FusedAdam's op is CUDA-only (a test runs its emulation on CPU)
