@@ -1,16 +1,26 @@
 """One step of any torch optimizer on this rank's fp32 master shards, kept or discarded.
 
-``Opt(θ, S, g)`` of ACCO.md. The commit keeps the result; the estimate restores the shards,
-the per-parameter state and the param-group settings bit for bit afterwards, whatever the
-optimizer keeps there (moments, step counters, momentum buffers), so no optimizer is
-special-cased.
+``Opt(θ, S, g)`` of ACCO.md. The commit keeps the result. The estimate leaves the shards, the
+per-parameter state and the param-group settings bit for bit as they were, in one of two ways:
+
+* :meth:`ShardOptimizer.estimate_into`, for the optimizers :mod:`.functional_step` supports
+  (torch SGD/Adam/AdamW, DeepSpeedCPUAdam, DeepSpeed FusedAdam): θ̃ is computed out of place,
+  chunk by chunk, straight into the caller's buffers; the state is only read, and the extra
+  memory is a few chunk-sized temporaries (``chunk_elems``), whatever the shard size;
+* otherwise (any other optimizer, or ``estimate``): snapshot → real step → read → restore,
+  which is optimizer-agnostic but costs, for the length of the round, one clone of the master
+  shard plus one of every state tensor (12 bytes per element for fp32 Adam with amsgrad,
+  8 for Adam, 4 for SGD with momentum).
 """
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Sequence, TypeVar
+from typing import Callable, List, Optional, Sequence, TypeVar
 
 import torch
+
+from . import functional_step
+from .functional_step import DEFAULT_CHUNK_ELEMS
 
 _GROUP_PARAMS = "params"
 T = TypeVar("T")
@@ -20,33 +30,57 @@ class ShardOptimizer:
     """Drives ``optimizer`` whose parameters are exactly ``params`` (this rank's shards: DeepSpeed's
     fp32 master partitions, or FSDP's sharded parameters)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], chunk_elems: int = 1 << 21):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                 chunk_elems: int = DEFAULT_CHUNK_ELEMS):
         self.optimizer = optimizer
-        self.chunk_elems = chunk_elems
         self.masters = list(params)
         owned = {id(p) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
         if owned != {id(m) for m in self.masters}:
             raise ValueError("the optimizer must own exactly the shard parameters")
+        if chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+        self.chunk_elems = int(chunk_elems)
 
-    functional = False  # estimate_into needs no snapshot (a functional step of a known optimizer)
+    @property
+    def functional(self) -> bool:
+        """Whether :meth:`estimate_into` runs without a snapshot (checked per call: a param
+        group's settings may change during training, e.g. a tensor learning rate)."""
+        return functional_step.supports(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
 
-    def commit(self, grads: Sequence[torch.Tensor]) -> None:
-        """θ, S ← Opt(θ, S, g), kept."""
+    def commit(self, grads: Sequence[torch.Tensor], read: Optional[Callable[[], T]] = None) -> Optional[T]:
+        """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step) if given."""
         self._step(grads)
+        return None if read is None else read()
 
     def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-        """outs ← Opt(θ, S, g)'s parameters (cast to their dtype); θ and S are left as they were."""
-        saved = self._snapshot()
-        try:
-            self._step(grads)
-            for out, m in zip(outs, self.masters):
-                local = m.to_local() if hasattr(m, "to_local") else m
-                out.copy_(local.detach().reshape(-1))
-        finally:
-            self._restore(saved)
+        """``outs[i] ← θ̃[i]`` of Opt(θ, S, g) (cast to each out's dtype); θ and S are left exactly
+        as they were. ``outs[i]`` is contiguous with the (local) numel of master ``i``.
+
+        Functional path when the optimizer is supported (no snapshot; O(chunk_elems) extra
+        memory); otherwise snapshot → step → copy → restore (one shard copy of θ and S).
+        """
+        if len(grads) != len(self.masters) or len(outs) != len(self.masters):
+            raise ValueError(f"expected {len(self.masters)} gradients and outputs, "
+                             f"got {len(grads)} and {len(outs)}")
+        if self.functional:
+            functional_step.estimate_into(self.optimizer, self.masters, grads, outs, self.chunk_elems)
+            return
+
+        def copy_out() -> None:
+            with torch.no_grad():
+                for m, out in zip(self.masters, outs):
+                    src, dst = _local(m).detach(), _local(out)
+                    if dst.numel() != src.numel():
+                        raise ValueError(f"output has {dst.numel()} elements, shard {src.numel()}")
+                    dst.view(-1).copy_(src.reshape(-1))
+
+        self.estimate(grads, copy_out)
 
     def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
-        """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly."""
+        """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly.
+
+        The snapshot path, for any optimizer: while it runs, a clone of every master shard and
+        of every optimizer-state tensor is held (see the module docstring)."""
         saved = self._snapshot()
         try:
             self._step(grads)
@@ -103,9 +137,30 @@ class ShardOptimizer:
             g.update(values)
 
 
-def global_norm_sq(grads: List[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of this rank's shard gradients (fp64 for a stable all-reduce)."""
-    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def global_norm_sq(grads: List[torch.Tensor], chunk_elems: Optional[int] = None) -> torch.Tensor:
+    """Sum of squares of this rank's shard gradients, in fp64 (for a stable all-reduce).
+
+    A chunk of ``chunk_elems`` elements at a time goes through one reused fp64 buffer: the only
+    temporary is chunk-sized, never shard-sized (``g.double()`` would cost 8 bytes per element).
+    """
+    chunk = int(chunk_elems or DEFAULT_CHUNK_ELEMS)
+    if chunk < 1:
+        raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+    device = _local(grads[0]).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    buf = None
     for g in grads:
-        total += g.double().pow(2).sum()
+        flat = _local(g).detach().reshape(-1)  # a view for the contiguous shards we get
+        for start in range(0, flat.numel(), chunk):
+            part = flat.narrow(0, start, min(chunk, flat.numel() - start))
+            if part.dtype != torch.float64:
+                if buf is None:
+                    buf = torch.empty(min(chunk, max(_local(x).numel() for x in grads)),
+                                      dtype=torch.float64, device=device)
+                part = buf.narrow(0, 0, part.numel()).copy_(part)
+            total += torch.dot(part, part)
     return total

@@ -1,0 +1,505 @@
+"""The estimate round's ``Opt(θ, S, g)`` computed out of place, chunk by chunk.
+
+``estimate_into(optimizer, params, grads, outs, chunk_elems)`` writes into ``outs[i]`` the value
+that one ``optimizer.step()`` would give ``params[i]`` (with the current param-group settings
+and the state's step count + 1), and leaves the parameters, the optimizer state and the param
+groups untouched. Nothing is snapshot: every state tensor is only read, a chunk of
+``chunk_elems`` elements at a time, and the temporaries are a fixed workspace of a few
+chunk-sized buffers (see :data:`WORKSPACE_BUFFERS`), whatever the size of the shard.
+
+Supported (:func:`supports`), with the exact op sequence of each optimizer's own step:
+
+* ``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize), single-tensor
+  and foreach implementations (the same ops in the same order: the results are bit-identical);
+* ``torch.optim.Adam`` / ``AdamW`` (amsgrad, maximize, weight decay coupled or decoupled,
+  ``decoupled_weight_decay``), single-tensor and foreach, not capturable: bit-identical;
+* DeepSpeed's ``DeepSpeedCPUAdam`` (fp32 parameters and states): its AVX kernel's float ops,
+  each fused multiply-add emulated in float64 then rounded to float32 (bit-identical except,
+  with a probability of about 2^-28 per element and FMA, a double rounding off by one ulp);
+* DeepSpeed's ``FusedAdam`` (CUDA, fp32 parameters): its kernel's formulas in float32 as
+  written, every product and sum rounded, and its step counter (kept in the state of each
+  group's last parameter); nvcc may contract some of them into FMAs, so on CUDA results may
+  differ by an ulp or so (not measured: no GPU was available when this was written).
+
+Anything else (other optimizers or subclasses, torch's ``fused``/``capturable``/
+``differentiable`` variants, tensor learning rates or betas, complex or sparse tensors, AMP
+grad scaling on the optimizer) is refused: the caller falls back to a snapshot.
+
+The computation runs in the parameter's dtype (fp32 for master shards, as the optimizers do);
+each chunk of the result is cast to the dtype of ``outs[i]`` as it is written.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+DEFAULT_CHUNK_ELEMS = 1 << 20
+"""1 Mi elements: 4 MiB per fp32 buffer; a 7B model on 8 ranks has 875 M elements per shard (0.12 %)."""
+
+WORKSPACE_BUFFERS = 4
+"""At most this many chunk-sized buffers (in the parameter's dtype) are allocated per call: SGD
+uses up to 3, Adam/AdamW and FusedAdam up to 4, one fewer when the output has the parameter's
+dtype (the result is then computed in the output itself). DeepSpeedCPUAdam's emulation adds one
+float64 chunk buffer (its FMAs)."""
+
+_GROUP_PARAMS = "params"
+_FUSED_ADAM_DEVICES = ("cuda",)  # FusedAdam's op is CUDA-only (a test runs its emulation on CPU)
+
+
+# -- which optimizers ------------------------------------------------------------------------
+def _deepspeed_class(module: str, name: str):
+    """The DeepSpeed class if its module is already imported (an instance implies it is)."""
+    mod = sys.modules.get(module)
+    return getattr(mod, name, None) if mod is not None else None
+
+
+def _kind(optimizer) -> Optional[str]:
+    cls = type(optimizer)  # exact types only: a subclass may change step()
+    if cls is torch.optim.SGD:
+        return "sgd"
+    if cls is torch.optim.Adam or cls is torch.optim.AdamW:
+        return "adam"
+    if cls is _deepspeed_class("deepspeed.ops.adam.cpu_adam", "DeepSpeedCPUAdam"):
+        return "cpu_adam"
+    if cls is _deepspeed_class("deepspeed.ops.adam.fused_adam", "FusedAdam"):
+        return "fused_adam"
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _plain_tensors(optimizer, dtypes=None, device_type=None) -> bool:
+    for g in optimizer.param_groups:
+        for p in g[_GROUP_PARAMS]:
+            t = _local(p)
+            if t.is_sparse or t.is_complex() or not t.is_floating_point():
+                return False
+            if dtypes is not None and t.dtype not in dtypes:
+                return False
+            if device_type is not None and t.device.type != device_type:
+                return False
+    return True
+
+
+def _torch_group_ok(group, kind: str) -> bool:
+    if group.get("differentiable") or group.get("fused") or group.get("capturable"):
+        return False
+    if not _is_float(group["lr"]) or not _is_float(group.get("weight_decay", 0)):
+        return False
+    if kind == "sgd":
+        return all(_is_float(group[k]) for k in ("momentum", "dampening"))
+    b1, b2 = group["betas"]
+    return _is_float(b1) and _is_float(b2) and _is_float(group["eps"])
+
+
+def supports(optimizer) -> bool:
+    """Whether :func:`estimate_into` reproduces ``optimizer.step()`` for this optimizer."""
+    kind = _kind(optimizer)
+    if kind is None:
+        return False
+    if kind in ("sgd", "adam"):
+        if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+            return False
+        return _plain_tensors(optimizer) and all(_torch_group_ok(g, kind) for g in optimizer.param_groups)
+    groups_ok = all(not g.get("amsgrad", False) and all(_is_float(g[k]) for k in ("lr", "eps", "weight_decay"))
+                    and all(_is_float(b) for b in g["betas"]) for g in optimizer.param_groups)
+    if kind == "cpu_adam":
+        return (groups_ok and getattr(optimizer, "fp32_optimizer_states", True)
+                and _plain_tensors(optimizer, (torch.float32,), "cpu") and _cpu_adam_simd_width() > 0)
+    return groups_ok and all(_plain_tensors(optimizer, (torch.float32,), d) for d in _FUSED_ADAM_DEVICES)
+
+
+# -- the entry point -------------------------------------------------------------------------
+def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                  outs: Sequence[torch.Tensor], chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> None:
+    """``outs[i] ← Opt(θ, S, g)`` for ``params[i]``, as one ``optimizer.step()`` with ``p.grad =
+    grads[i]`` would compute it; ``params``, the state and the param groups are only read.
+
+    ``params`` are tensors the optimizer owns (the ones a real step would see a gradient on; a
+    ``None`` gradient leaves the parameter as it is, as the step would). Parameters, gradients
+    and state tensors are read through ``to_local()`` when they have one (FSDP2 DTensors);
+    every tensor must be contiguous. ``outs[i]`` must be contiguous with the local numel of
+    ``params[i]``, any floating dtype; it may be the very memory of ``grads[i]`` (the reduced
+    gradient shard inside the communication buffer: each chunk of it is read before its result
+    is written), but must not overlap anything else the step reads.
+    """
+    kind = _kind(optimizer)
+    if kind is None or not supports(optimizer):
+        raise ValueError(f"no functional step for {type(optimizer).__name__} with these settings; "
+                         "check supports() first")
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+    if not (len(params) == len(grads) == len(outs)):
+        raise ValueError("params, grads and outs must have the same length")
+    with torch.no_grad():
+        _estimate_into(optimizer, kind, params, grads, outs, chunk_elems)
+
+
+def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems) -> None:
+    group_of = {id(p): g for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
+    items = []
+    for p, g, o in zip(params, grads, outs):
+        group = group_of.get(id(p))
+        if group is None:
+            raise ValueError("every parameter must belong to the optimizer")
+        pl, ol = _flat(_local(p), "parameter"), _flat(_local(o), "output")
+        if ol.numel() != pl.numel():
+            raise ValueError(f"output has {ol.numel()} elements, parameter {pl.numel()}")
+        if g is not None:
+            g = _flat(_local(g), "gradient")
+            if g.numel() != pl.numel() or g.dtype != pl.dtype:
+                raise ValueError("a gradient must match its parameter's numel and dtype")
+            # The output may start where its gradient starts, in a dtype no wider (θ̃ written over
+            # the reduced gradient in B): chunk i of the output then only covers gradient
+            # elements of chunks <= i, which were read before it is written.
+            if _overlaps(ol, g) and not (ol.data_ptr() == g.data_ptr() and ol.element_size() <= g.element_size()):
+                raise ValueError("an output may start at its gradient's memory (no wider dtype), nothing else of it")
+        if _overlaps(ol, pl):
+            raise ValueError("an output must not overlap its parameter")
+        items.append((p, pl, g, ol, group))
+    ws = _Workspace(chunk_elems)
+    steps = _shared_steps(optimizer, kind, items)
+    for idx, (p, pl, g, ol, group) in enumerate(items):
+        if g is None:
+            _copy_chunked(pl, ol, chunk_elems)
+            continue
+        state = optimizer.state.get(p) or {}
+        if kind == "sgd":
+            _sgd(pl, g, ol, group, state, ws)
+        elif kind == "adam":
+            _adam(pl, g, ol, group, state, ws)
+        elif kind == "cpu_adam":
+            _cpu_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
+        else:
+            _fused_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"the {what} must be contiguous (chunks are flat views)")
+    return t.detach().view(-1)
+
+
+def _copy_chunked(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> None:
+    for s in range(0, src.numel(), chunk):
+        n = min(chunk, src.numel() - s)
+        dst.narrow(0, s, n).copy_(src.narrow(0, s, n))
+
+
+class _Workspace:
+    """Chunk-sized scratch buffers, allocated on first use and reused for every chunk."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+        self._bufs: Dict[Tuple, torch.Tensor] = {}
+
+    def get(self, slot: int, like: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        dtype = dtype or like.dtype
+        key = (slot, dtype, like.device)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = torch.empty(min(self.chunk, like.numel()), dtype=dtype, device=like.device)
+        elif buf.numel() < n:  # a larger parameter after a smaller one
+            buf = self._bufs[key] = torch.empty(self.chunk, dtype=dtype, device=like.device)
+        return buf.narrow(0, 0, n)
+
+
+def _chunks(n: int, chunk: int):
+    for s in range(0, n, chunk):
+        yield s, min(chunk, n - s)
+
+
+def _state_flat(state: dict, key: str) -> Optional[torch.Tensor]:
+    t = state.get(key)
+    return None if t is None else _flat(_local(t), f"state '{key}'")
+
+
+def _target(out: torch.Tensor, like: torch.Tensor, ws: _Workspace, slot: int, n: int) -> torch.Tensor:
+    """Where a chunk of the result is computed: the output itself when it has the working dtype."""
+    return out if out.dtype == like.dtype else ws.get(slot, like, n)
+
+
+# -- torch.optim.SGD: _single_tensor_sgd / _multi_tensor_sgd -----------------------------------
+def _sgd(p, g, out, group, state, ws):
+    lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    dampening, nesterov, maximize = group["dampening"], group["nesterov"], group["maximize"]
+    buf_all = _state_flat(state, "momentum_buffer") if momentum != 0 else None
+    for s, n in _chunks(p.numel(), ws.chunk):
+        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
+        gb = ws.get(0, p, n)
+        grad = gc
+        if maximize:
+            grad = torch.neg(gc, out=gb)
+        if wd != 0:
+            grad = torch.add(grad, pc, alpha=wd, out=gb)
+        if momentum != 0:
+            if buf_all is None:
+                buf = grad  # first step: the buffer is a clone of the gradient
+            else:
+                buf = torch.mul(buf_all.narrow(0, s, n), momentum, out=ws.get(1, p, n))
+                buf.add_(grad, alpha=1 - dampening)
+            grad = torch.add(grad, buf, alpha=momentum, out=gb) if nesterov else buf
+        tgt = _target(oc, p, ws, 2, n)
+        torch.add(pc, grad, alpha=-lr, out=tgt)
+        if tgt is not oc:
+            oc.copy_(tgt)
+
+
+# -- torch.optim.Adam / AdamW: _single_tensor_adam / _multi_tensor_adam (not capturable) ----
+def _torch_step_value(state: dict) -> float:
+    step_t = state.get("step")
+    if step_t is None:
+        return 1.0
+    if torch.is_tensor(step_t):  # float32 on CPU; ``step_t += 1`` then ``.item()``
+        return (step_t.detach() + 1).item()
+    return float(step_t) + 1
+
+
+def _adam(p, g, out, group, state, ws):
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    beta1, beta2 = group["betas"]
+    amsgrad, maximize = group["amsgrad"], group["maximize"]
+    decoupled = group.get("decoupled_weight_decay", False)
+    exp_avg, exp_avg_sq = _state_flat(state, "exp_avg"), _state_flat(state, "exp_avg_sq")
+    max_exp_avg_sq = _state_flat(state, "max_exp_avg_sq") if amsgrad else None
+    if (exp_avg is None) != (exp_avg_sq is None):
+        raise ValueError("inconsistent Adam state: exp_avg and exp_avg_sq must both exist or neither")
+    step = _torch_step_value(state)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    for s, n in _chunks(p.numel(), ws.chunk):
+        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
+        gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
+        tgt = _target(oc, p, ws, 3, n)
+        grad = gc
+        if maximize:
+            grad = torch.neg(gc, out=gb)
+        if wd != 0 and not decoupled:
+            grad = torch.add(grad, pc, alpha=wd, out=gb)
+        if exp_avg is None:  # lazy state init: zeros, then the same in-place updates
+            mb.zero_().lerp_(grad, 1 - beta1)
+            vb.zero_().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        else:
+            torch.lerp(exp_avg.narrow(0, s, n), grad, 1 - beta1, out=mb)
+            torch.mul(exp_avg_sq.narrow(0, s, n), beta2, out=vb).addcmul_(grad, grad, value=1 - beta2)
+        if amsgrad:
+            if max_exp_avg_sq is None:
+                torch.maximum(torch.zeros((), dtype=vb.dtype, device=vb.device), vb, out=vb)
+            else:
+                torch.maximum(max_exp_avg_sq.narrow(0, s, n), vb, out=vb)
+        # The gradient is no longer needed: from here on the output may be written (it may be
+        # the gradient's own memory), and gb is free.
+        base = torch.mul(pc, 1 - lr * wd, out=tgt) if wd != 0 and decoupled else pc
+        denom = torch.sqrt(vb, out=gb)
+        denom.div_(bias_correction2_sqrt).add_(eps)
+        torch.addcdiv(base, mb, denom, value=-step_size, out=tgt)
+        if tgt is not oc:
+            oc.copy_(tgt)
+
+
+# -- DeepSpeedCPUAdam: Adam_Optimizer::Step_AVX (csrc/includes/cpu_adam.h) --------------------
+def _f32(x) -> float:
+    """The float32 value of ``x``, as a Python float (exact in double)."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+class _CpuAdamMirror:
+    """The C++ ``Adam_Optimizer``'s running powers β^t (``IncrementStep``), which a step uses
+    for the bias corrections and which Python cannot read: replayed here from the same calls.
+
+    It starts as the C++ object does (step 0, β^t = 1, the constructor's betas), and after each
+    estimate it stands where the commit's identical calls will leave the C++ object. If the
+    optimizer stepped before the first estimate in this process (without a reload), its β^t
+    came from repeated float products where the mirror takes ``pow``: a few ulps of the bias
+    correction, not more.
+    """
+
+    def __init__(self, beta1: float, beta2: float):
+        self.step, self.b1, self.b2, self.b1t, self.b2t = 0, _f32(beta1), _f32(beta2), 1.0, 1.0
+
+    def increment(self, step: int, beta1: float, beta2: float) -> Tuple[float, float]:
+        beta1, beta2 = _f32(beta1), _f32(beta2)
+        if beta1 != self.b1 or beta2 != self.b2:
+            self.step, self.b1, self.b2 = step, beta1, beta2
+            self.b1t, self.b2t = _f32(beta1 ** step), _f32(beta2 ** step)
+        elif step == self.step + 1:
+            self.step += 1
+            self.b1t, self.b2t = _f32(self.b1t * beta1), _f32(self.b2t * beta2)
+        elif step != self.step:
+            self.b1t, self.b2t = _f32(beta1 ** step), _f32(beta2 ** step)
+            self.step = step
+        return self.b1t, self.b2t
+
+
+_CPU_ADAM_MIRRORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _shared_steps(optimizer, kind: str, items) -> List:
+    """Per-item step data that depends on the other parameters of the call."""
+    if kind == "cpu_adam":
+        mirror = _CPU_ADAM_MIRRORS.get(optimizer)
+        if mirror is None:
+            b1, b2 = optimizer.defaults["betas"]
+            mirror = _CPU_ADAM_MIRRORS[optimizer] = _CpuAdamMirror(b1, b2)
+        by_id = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
+        out: List = [None] * len(items)
+        for group in optimizer.param_groups:  # step()'s order of IncrementStep calls
+            for p in group[_GROUP_PARAMS]:
+                i = by_id.get(id(p))
+                if i is None:
+                    continue
+                step = int((optimizer.state.get(p) or {}).get("step", 0)) + 1
+                out[i] = (step,) + mirror.increment(step, *group["betas"])
+        return out
+    if kind == "fused_adam":
+        # FusedAdam.step() counts steps in the state of the *last* parameter with a gradient of
+        # each group (starting from group['step'] when that state is new); fp32 only: +1.
+        out = [None] * len(items)
+        with_grad = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
+        for group in optimizer.param_groups:
+            mine = [p for p in group[_GROUP_PARAMS] if id(p) in with_grad]
+            if not mine:
+                continue
+            last = optimizer.state.get(mine[-1]) or {}
+            step = int(last.get("step", group.get("step", 0))) + 1
+            for p in mine:
+                out[with_grad[id(p)]] = step
+        return out
+    return [None] * len(items)
+
+
+def _fma(a: torch.Tensor, b: float, c, out: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``out ← fl32(a·b + c)`` as an FMA: a·b is exact in float64 (a, b float32), one rounding
+    of the sum in float64, then to float32 (a double rounding: wrong by an ulp only when the
+    float64 sum falls exactly half-way between two floats, about 2^-28 of the time)."""
+    d.copy_(a).mul_(b)
+    d.add_(c)
+    return out.copy_(d)
+
+
+def _cpu_adam(p, g, out, group, state, step_info, adamw, ws):
+    step, b1t, b2t = step_info
+    beta1, beta2 = (_f32(b) for b in group["betas"])
+    lr, eps, wd = _f32(group["lr"]), _f32(group["eps"]), _f32(group["weight_decay"])
+    if group["bias_correction"]:
+        bias_correction1 = _f32(1 - b1t)
+        # ``1 / sqrt(1 - _betta2_t)`` in float
+        bias_correction2 = _f32(1 / _f32(_f32(1 - b2t) ** 0.5))
+    else:
+        bias_correction1 = bias_correction2 = 1.0
+    betta1_minus1, betta2_minus1 = _f32(1 - beta1), _f32(1 - beta2)
+    step_size = _f32(-lr / bias_correction1)
+    w_decay = _f32(_f32(-lr) * wd)
+    exp_avg, exp_avg_sq = _state_flat(state, "exp_avg"), _state_flat(state, "exp_avg_sq")
+    # Step_8/Step_4/Step_AVX<1> cover the first numel - numel % W elements with SIMD FMAs; the
+    # last numel % W go through Step_1's scalar loop, where the compiler contracts the moment
+    # updates the other way round: m = fma(m, β1, g·(1-β1)) instead of fma(g, 1-β1, m·β1).
+    simd_end = p.numel() - p.numel() % _cpu_adam_simd_width()
+    ranges = [(s, n, False) for s, n in _chunks(simd_end, ws.chunk)]
+    if simd_end < p.numel():
+        ranges.append((simd_end, p.numel() - simd_end, True))
+    for s, n, scalar_tail in ranges:
+        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
+        gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
+        d = ws.get(4, p, n, torch.float64)
+        tgt = _target(oc, p, ws, 3, n)
+        grad = gc
+        if wd > 0 and not adamw:
+            grad = _fma(pc, wd, gc, gb, d)
+        m_old = None if exp_avg is None else exp_avg.narrow(0, s, n)
+        v_old = None if exp_avg_sq is None else exp_avg_sq.narrow(0, s, n)
+        if scalar_tail:  # fewer than W elements: small temporaries
+            m_new = grad * betta1_minus1 if m_old is None else _fma(m_old, beta1, grad * betta1_minus1, mb, d)
+            g2b = (grad * grad) * betta2_minus1
+            v_new = g2b if v_old is None else _fma(v_old, beta2, g2b, vb, d)
+            mb.copy_(m_new)
+            vb.copy_(v_new)
+        else:
+            if m_old is None:
+                mb.zero_()
+                vb.zero_()
+            else:
+                torch.mul(m_old, beta1, out=mb)
+                torch.mul(v_old, beta2, out=vb)
+            _fma(grad, betta1_minus1, mb, mb, d)
+            g2 = torch.mul(grad, grad, out=gb)
+            _fma(g2, betta2_minus1, vb, vb, d)
+        # torch's float32 sqrt need not be correctly rounded (the C++ kernel's is): take it in
+        # float64 (a double rounding that is innocuous for sqrt) then round to float32.
+        den = gb.copy_(d.copy_(vb).sqrt_())
+        _fma(den, bias_correction2, eps, den, d)
+        upd = torch.div(mb, den, out=gb)
+        base = pc
+        if wd > 0 and adamw:
+            base = _fma(pc, w_decay, pc, tgt, d)
+        _fma(upd, step_size, base, tgt, d)
+        if tgt is not oc:
+            oc.copy_(tgt)
+
+
+_SIMD_WIDTHS = {"-D__AVX512__": 16, "-D__AVX256__": 8}
+_cpu_adam_width: Optional[int] = None
+
+
+def _cpu_adam_simd_width() -> int:
+    """Floats per SIMD vector of the cpu_adam op (as DeepSpeed's builder chooses it); 0 when the
+    op was built for a kernel this module does not reproduce (scalar, SVE, NEON)."""
+    global _cpu_adam_width
+    if _cpu_adam_width is None:
+        try:
+            from deepspeed.ops.op_builder import CPUAdamBuilder
+            _cpu_adam_width = _SIMD_WIDTHS.get(CPUAdamBuilder().simd_width(), 0)
+        except Exception:  # pragma: no cover - DeepSpeed absent or its probe failed
+            _cpu_adam_width = 0
+    return _cpu_adam_width
+
+
+# -- DeepSpeed FusedAdam: AdamFunctor (csrc/adam/multi_tensor_adam.cu) -----------------------
+def _fused_adam(p, g, out, group, state, step, adam_w_mode, ws):
+    beta1, beta2 = (_f32(b) for b in group["betas"])
+    lr, eps, decay = _f32(group["lr"]), _f32(group["eps"]), _f32(group["weight_decay"])
+    if group["bias_correction"]:
+        bc1, bc2 = _f32(1 - beta1 ** step), _f32(1 - beta2 ** step)
+    else:
+        bc1 = bc2 = 1.0
+    one_minus_b1, one_minus_b2 = _f32(1 - beta1), _f32(1 - beta2)
+    exp_avg, exp_avg_sq = _state_flat(state, "exp_avg"), _state_flat(state, "exp_avg_sq")
+    for s, n in _chunks(p.numel(), ws.chunk):
+        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
+        gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
+        tgt = _target(oc, p, ws, 3, n)
+        tmp = ws.get(3, p, n)  # scratch; when it is also tgt, it is dead before tgt is written
+        grad = gc
+        if not adam_w_mode:  # ADAM_MODE_0 (L2): g = g + decay·p
+            grad = torch.mul(pc, decay, out=gb).add_(gc)
+        # m = β1·m + (1-β1)·g ; v = β2·v + (1-β2)·g·g, each product rounded, as written
+        torch.mul(grad, one_minus_b1, out=tmp)
+        (mb.zero_() if exp_avg is None else torch.mul(exp_avg.narrow(0, s, n), beta1, out=mb)).add_(tmp)
+        torch.mul(grad, one_minus_b2, out=tmp).mul_(grad)
+        (vb.zero_() if exp_avg_sq is None else torch.mul(exp_avg_sq.narrow(0, s, n), beta2, out=vb)).add_(tmp)
+        # update = (m/bc1) / (sqrt(v/bc2) + eps) [+ decay·p] ; p = p - lr·update
+        den = torch.div(vb, bc2, out=gb).sqrt_().add_(eps)
+        upd = torch.div(mb, bc1, out=vb).div_(den)
+        if adam_w_mode:
+            upd.add_(torch.mul(pc, decay, out=mb))
+        torch.sub(pc, upd.mul_(lr), out=tgt)
+        if tgt is not oc:
+            oc.copy_(tgt)
