@@ -47,9 +47,23 @@ class AllocCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.allocations: List[Allocation] = []
+        self.paused = 0  # > 0: ops run uncounted (see :meth:`pause`)
+
+    def pause(self, fn):
+        """``fn`` wrapped so that what it allocates is not counted (e.g. the wrapped optimizer's
+        own step, which stock ZeRO-1 runs too)."""
+        def paused(*args, **kwargs):
+            self.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused -= 1
+        return paused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         inputs = {ptr for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
                   for ptr in [_storage_ptr(t)[0]] if ptr is not None}
         result = func(*args, **kwargs)

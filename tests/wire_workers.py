@@ -42,17 +42,23 @@ class WireLog:
         if getattr(inner, "_wire_wrapped", False):
             return inner
 
+        name = inner.__name__
+
         def call(*args, **kwargs):
-            t = args[0] if kind == "gather" or len(args) < 2 else args[1]
-            if kind == "reduce" and inner.__name__ == "all_reduce":
-                t = args[0]
+            # the full buffer: the all-gather's output, the reduce-scatter's input, the (all-)reduce's tensor
+            if name in ("all_reduce", "reduce"):
+                t = args[0] if args else kwargs.get("tensor")
+            elif kind == "gather":
+                t = args[0] if args else kwargs.get("output_tensor", kwargs.get("output"))
+            else:
+                t = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor"))
             log = WireLog._active
             if log.on and torch.is_tensor(t) and t.numel() >= SMALL:
                 with log.lock:
                     log.calls.append((kind, str(t.dtype), t.numel() * t.element_size()))
             return inner(*args, **kwargs)
         call._wire_wrapped = True
-        call.__name__ = inner.__name__
+        call.__name__ = name
         return call
 
     def take(self):
@@ -93,9 +99,9 @@ def deepspeed_step_bytes(extra: dict, acco=None, gas: int = 2, steps: int = 2, f
             loss = engine(x).float().pow(2).mean()
             engine.backward(loss)
             engine.step()
+        if acco is not None:
+            engine.optimizer.drain()  # this step's rounds are over (the lane runs them on its thread)
         if step > 0:
-            if acco is not None:
-                engine.optimizer.drain()
             per_step.append(log.take())
     log.on = False
     numel = sum(p.numel() for p in model.parameters())

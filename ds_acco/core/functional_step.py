@@ -158,11 +158,16 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems) -> None:
             g = _flat(_local(g), "gradient")
             if g.numel() != pl.numel() or g.dtype != pl.dtype:
                 raise ValueError("a gradient must match its parameter's numel and dtype")
-            # The output may start where its gradient starts, in a dtype no wider (θ̃ written over
-            # the reduced gradient in B): chunk i of the output then only covers gradient
-            # elements of chunks <= i, which were read before it is written.
-            if _overlaps(ol, g) and not (ol.data_ptr() == g.data_ptr() and ol.element_size() <= g.element_size()):
-                raise ValueError("an output may start at its gradient's memory (no wider dtype), nothing else of it")
+            # The output may be its gradient's memory, or start at or before it in a narrower
+            # dtype (θ̃ written over the reduced gradients in B, whose gather view is the model
+            # dtype): chunk k of the output then only covers gradient elements of chunks <= k,
+            # read before it is written (a narrower output is computed in the workspace and
+            # copied last).
+            same = ol.data_ptr() == g.data_ptr() and ol.dtype == g.dtype
+            trailing = ol.data_ptr() <= g.data_ptr() and ol.element_size() < g.element_size()
+            if _overlaps(ol, g) and not (same or trailing):
+                raise ValueError("an output may be its gradient's memory, or start at or before it in a narrower "
+                                 "dtype; no other overlap")
         if _overlaps(ol, pl):
             raise ValueError("an output must not overlap its parameter")
         items.append((p, pl, g, ol, group))

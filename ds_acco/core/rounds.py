@@ -4,10 +4,12 @@ optimizer (and reads the live weights' shard for the drift metric).
 
 Memory: the round works inside B. Gradients are reduced in place (all-reduce + slice on gloo,
 an in-place reduce-scatter elsewhere) and divided in place; norms and the drift are summed chunk
-by chunk; the estimate writes θ̃ straight into this rank's segment of B's gather view and the
-commit copies θ into it, and the all-gather runs in place. The only shard-sized temporary is
-an fp32 copy of the gradient when gradients travel narrower than fp32 -- what stock ZeRO-1
-allocates for its own step (DeepSpeed's fp32 gradient partition).
+by chunk; the estimate writes θ̃ straight into this rank's segment of B's gather view (a
+functional step for SGD / Adam / AdamW, see functional_step.py) and the commit copies θ into it,
+and the all-gather runs in place. Shard-sized temporaries remain only where stock ZeRO-1 has
+them too: an fp32 copy of the gradient when gradients travel narrower than fp32 (DeepSpeed's
+fp32 gradient partition), and the wrapped optimizer's own step. An optimizer without a
+functional step pays a snapshot of the shard and its state for the estimate (shard_optimizer.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch.profiler import record_function
 
 from ..comm import collectives
 from .phases import Tally
+from .shard_optimizer import global_norm_sq
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -94,29 +97,6 @@ class RoundContext:
     chunk_elems: int
 
 
-def chunks(t: torch.Tensor, size: int):
-    """Flat views of ``t`` of at most ``size`` elements."""
-    flat = t.reshape(-1)
-    for start in range(0, flat.numel(), size):
-        yield flat.narrow(0, start, min(size, flat.numel() - start))
-
-
-def sum_of_squares(tensors: Sequence[torch.Tensor], chunk: int) -> torch.Tensor:
-    """Σ t² over all tensors, accumulated in fp64 chunk by chunk (no full-size temporary)."""
-    total = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
-    for t in tensors:
-        for c in chunks(t, chunk):
-            total += torch.linalg.vector_norm(c, dtype=torch.float64).square()
-    return total
-
-
-def _distance_sq(a: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64, device=a.device)
-    for ca, cb in zip(chunks(a, chunk), chunks(b, chunk)):
-        total += torch.linalg.vector_norm(ca.double() - cb.double()).square()
-    return total
-
-
 def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
     """Every rank's counts and report in one small all-gather: (per-rank tallies, (world, k) reports)."""
     device = ctx.groups[0].comm.device
@@ -129,16 +109,16 @@ def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
     return [Tally(int(row[0]), float(row[1])) for row in table], table[:, 2:]
 
 
-def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom: float, in_place_narrow: bool) -> List[List[torch.Tensor]]:
+def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom: float) -> List[List[torch.Tensor]]:
     """Sum B's gradients over the ranks and divide this rank's shard by ``denom``; per group the
-    shard's gradients. In place in B when B holds fp32 (or when ``in_place_narrow``), else an fp32
-    copy of the shard."""
+    shard's gradients. In place in B when gradients travel in fp32, else an fp32 copy of the shard
+    (the optimizer steps fp32 masters; stock ZeRO-1 makes the same copy)."""
     out = []
     for g in ctx.groups:
         flat = g.reduce_view(kind)
         collectives.reduce_in_place(flat, ctx.rank, ctx.world, ctx.process_group, ctx.reduce_scatter)
         views = g.shard_views(flat)
-        if views and views[0].dtype != torch.float32 and not in_place_narrow:
+        if views and views[0].dtype != torch.float32:
             out.append([v.to(torch.float32).div_(denom) for v in views])
         else:
             out.append([v.div_(denom) for v in views])
@@ -170,11 +150,10 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
             raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "
                                f"(micro-batches per rank: {[t.micro_batches for t in per_rank]})")
         denom = weight * ctx.gas_scale * loss_scale  # G carried ``loss_scale`` when it was packed
-        functional = kind is RoundKind.ESTIMATE and ctx.shard_optimizer.functional
         with record_function("ACCO::reduce"):
-            grads = reduce_mean_grads(ctx, kind, denom, in_place_narrow=functional)
+            grads = reduce_mean_grads(ctx, kind, denom)
         flat_grads = [t for gs in grads for t in gs]
-        norm_sq = collectives.sum_scalars(sum_of_squares(flat_grads, ctx.chunk_elems), ctx.process_group)
+        norm_sq = collectives.sum_scalars(global_norm_sq(flat_grads, ctx.chunk_elems), ctx.process_group)
         grad_norm = float(norm_sq.sqrt())  # the same on every rank: so is the skip decision
         skipped = not math.isfinite(grad_norm)
         drift = None
@@ -225,12 +204,22 @@ def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
 
 def _drift(ctx: RoundContext, before: List[torch.Tensor]) -> float:
     """‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖ over all ranks. θ̃_{t+1} is what the compute lane runs
-    on during the commit phase: the live weights (their shard is read here, not copied)."""
-    sums = torch.zeros(2, dtype=torch.float64, device=before[0].device)
+    on during the commit phase: the live weights (their shard is read here, not copied). Summed in
+    fp64 through two reused chunk-sized buffers."""
     after = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
     estimate = [v for g in ctx.groups for v in g.live_shard_views()]
+    device = before[0].device
+    size = min(ctx.chunk_elems, max(t.numel() for t in after))
+    a = torch.empty(size, dtype=torch.float64, device=device)
+    b = torch.empty(size, dtype=torch.float64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
     for new, old, est in zip(after, before, estimate):
-        sums[0] += _distance_sq(est, new, ctx.chunk_elems)
-        sums[1] += _distance_sq(new, old, ctx.chunk_elems)
+        for start in range(0, new.numel(), size):
+            n = min(size, new.numel() - start)
+            x, y = a.narrow(0, 0, n).copy_(new.narrow(0, start, n)), b.narrow(0, 0, n)
+            y.copy_(est.narrow(0, start, n)).sub_(x)
+            sums[0] += torch.dot(y, y)
+            y.copy_(old.narrow(0, start, n)).sub_(x)
+            sums[1] += torch.dot(y, y)
     collectives.sum_scalars(sums, ctx.process_group)
     return float(sums[0].sqrt() / sums[1].sqrt()) if float(sums[1]) > 0 else float("nan")
