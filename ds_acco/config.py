@@ -69,9 +69,9 @@ class AccoConfig(BaseModel):
     comm_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for a communication round before raising.")
     chunk_elements: int = Field(
-        1 << 21, ge=1024, description="Rounds work through a shard in chunks of this many elements (gradient norm, "
-        "drift metric, estimate step): the bound on their temporaries. Default 2M elements (8 MB in fp32, 0.24% of "
-        "a 7B model's shard on 8 ranks).")
+        1 << 21, ge=1024, description="Rounds work through a shard in chunks of at most this many elements "
+        "(gradient norm, drift metric, estimate step), and of at most 1/64 of a shard: the bound on their "
+        "temporaries. Default 2M elements (8 MB in fp32, 0.24% of a 7B model's shard on 8 ranks).")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
 
     @classmethod

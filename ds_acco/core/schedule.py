@@ -102,6 +102,11 @@ class AccoSchedule:
         self.context = RoundContext(self.groups, shard_optimizer, process_group, rank, world, options.gas_scale,
                                     options.clip_grad, options.nonfinite, reduce_scatter,
                                     options.track_drift and options.mode == "acco", options.chunk_elems)
+        # Temporaries run beside the compute lane's activations: a chunk is also kept to 1/64 of a
+        # shard, so small models do not pay the default chunk's megabytes.
+        segment = max(g.segment for g in self.groups)
+        self.context.chunk_elems = min(options.chunk_elems, max(1 << 16, segment // 64))
+        shard_optimizer.chunk_elems = self.context.chunk_elems
         self.report = report
         self.on_commit = on_commit
         self.loss_scale = loss_scale
