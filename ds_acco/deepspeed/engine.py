@@ -51,6 +51,13 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_config = acco_config
         self._acco_lr_kwargs = None
         self._acco_weight = 1.0
+        # Megatron-style callers set the accumulation boundary themselves and call step() once per
+        # A micro-batches: then backward() counts micro-batches and ends phases (see backward()).
+        self._acco_caller_boundary: Optional[bool] = None  # None: the caller never set it
+        self._acco_pending = False  # a backward whose micro-batch step() has not counted yet
+        self._acco_window_skipped = False  # a commit skipped since the last step() (caller-boundary mode)
+        self._acco_warned_boundary = False
+        self._acco_eval_weights = None  # committed_weights() context entered by eval() (ds_acco.install())
         super().__init__(*args, **kwargs)
         if not isinstance(self.optimizer, AccoZeroOptimizer):
             raise ValueError(f"acco.enabled = true but DeepSpeed built {type(self.optimizer).__name__}, not a ZeRO "
@@ -95,9 +102,15 @@ class AccoEngine(DeepSpeedEngine):
         return super().is_gradient_accumulation_boundary() if driver is None else driver.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary):
-        raise ValueError("set_gradient_accumulation_boundary() conflicts with ACCO, which ends its own phases; "
-                         "fix: call engine.step() after every micro-batch and let ACCO decide (HF Trainer / "
-                         "Accelerate: call ds_acco.install() before building the Trainer)")
+        """Megatron-DeepSpeed's protocol (``forward_backward_no_pipelining`` + ``train_step``): the
+        caller marks the last of its A micro-batches and calls ``step()`` once per iteration. ACCO
+        then counts each ``backward()`` as one micro-batch and ends its phases inside it, at the same
+        micro-batches as with one ``step()`` per micro-batch (ACCO.md, "Who ends a phase"); the
+        per-iteration ``step(lr_kwargs)`` only records ``lr_kwargs`` and what ``was_step_applied()``
+        answers. The caller's flag itself is advisory: the phase ends are ACCO's."""
+        if self._acco_driver() is None:
+            return super().set_gradient_accumulation_boundary(is_boundary)
+        self._acco_caller_boundary = bool(is_boundary)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, weight=None):
         """DeepSpeed's backward. ``weight``: this micro-batch's sample or token count, required with
@@ -112,14 +125,47 @@ class AccoEngine(DeepSpeedEngine):
             raise ValueError("engine.backward(..., scale_wrt_gas=False) with ACCO: the mean gradient is formed "
                              "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True "
                              "(HF Trainer / Accelerate: call ds_acco.install() before building the Trainer)")
+        self._acco_leave_eval_weights()  # a backward after eval() without train(): back on the live weights
         self._acco_weight = driver.check_weight(weight, "engine.backward")
-        return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        if self._acco_caller_boundary is None:
+            self._acco_pending = True  # counted by the step() that follows
+            return out
+        # The caller sets the boundary itself (Megatron): this backward is the micro-batch.
+        weight, self._acco_weight = self._acco_weight, 1.0
+        with driver.micro_batch(weight) as ends:
+            self._acco_check_caller_boundary(driver)
+            if ends:
+                self.optimizer.step()  # ends the phase; a commit collected here is booked now
+        return out
+
+    def _acco_check_caller_boundary(self, driver) -> None:
+        phases = driver.options.phases
+        if self._acco_warned_boundary or not hasattr(phases, "micro_batches"):
+            return  # dynamic phases: no fixed relation to the caller's batches
+        at_step_end = driver.schedule.micro_batches % self.gradient_accumulation_steps() == 0
+        if at_step_end != self._acco_caller_boundary and self.global_rank == 0:
+            self._acco_warned_boundary = True
+            logger.warning(f"ACCO: the caller set the accumulation boundary to {self._acco_caller_boundary} at "
+                           f"micro-batch {driver.schedule.micro_batches}, but gradient_accumulation_steps="
+                           f"{self.gradient_accumulation_steps()}: ACCO keeps counting A micro-batches per "
+                           "optimizer step; fix: make the caller's micro-batches per step equal "
+                           "gradient_accumulation_steps")
 
     def step(self, lr_kwargs=None):
         """One micro-batch done; at a phase end, hand the phase to ACCO (see ACCO.md)."""
         driver = self._acco_driver()
         if driver is None:
             return super().step(lr_kwargs)
+        self._acco_leave_eval_weights()
+        if self._acco_caller_boundary is not None and not self._acco_pending:
+            # Once per iteration of a caller that sets the boundary: the micro-batches were counted
+            # (and phases ended) in backward(); only the per-iteration bookkeeping is left.
+            self._acco_lr_kwargs = lr_kwargs
+            self._step_applied = not self._acco_window_skipped
+            self._acco_window_skipped = False
+            return None
+        self._acco_pending = False
         weight, self._acco_weight = self._acco_weight, 1.0
         with driver.micro_batch(weight):
             return super().step(lr_kwargs)  # at a phase end: _take_model_step -> optimizer.step()
@@ -140,6 +186,7 @@ class AccoEngine(DeepSpeedEngine):
     def _acco_after_commit(self, result, record) -> None:
         # What DeepSpeedEngine._take_model_step does besides the scheduler, once per committed step.
         self._step_applied = not result.skipped
+        self._acco_window_skipped = self._acco_window_skipped or result.skipped
         if self.steps_per_print() is not None and self.global_rank == 0 and (self.global_steps +
                                                                              1) % self.steps_per_print() == 0:
             self._report_progress(self.global_steps + 1)
@@ -163,11 +210,53 @@ class AccoEngine(DeepSpeedEngine):
     # -- committed weights and teardown -----------------------------------------------------------
     def acco_committed_weights(self):
         """See :func:`ds_acco.committed_weights`."""
+        if self._acco_eval_weights is not None:
+            return contextlib.nullcontext()  # eval() already put the committed θ in place
         return self.optimizer.committed_weights()
+
+    def was_step_applied(self) -> bool:
+        """DeepSpeed's answer. With a caller that sets the accumulation boundary (Megatron): True
+        unless a commit collected during the iteration that the last ``step()`` closed was skipped
+        (non-finite gradients) -- also True for the first iterations, before any commit."""
+        return super().was_step_applied()
+
+    # -- evaluation on committed weights (ds_acco.install(): Megatron's evaluate()) ----------------
+    def eval(self):
+        """DeepSpeed's ``eval()``. While :func:`ds_acco.install` is in effect, it also puts the
+        newest committed θ into the model until ``train()`` (or the next ``backward``/``step``):
+        Megatron's ``evaluate()`` calls ``model.eval()`` ... ``model.train()`` on every rank around
+        its forward-only passes, so it never evaluates the estimate θ̃. Collective (it may wait
+        for the commit round in flight): call it on every rank, as Megatron does."""
+        super().eval()
+        self._acco_enter_eval_weights()
+
+    def train(self, mode=True):
+        if mode:
+            self._acco_leave_eval_weights()
+        super().train(mode)
+        if not mode:
+            self._acco_enter_eval_weights()
+
+    def _acco_enter_eval_weights(self) -> None:
+        from ..install import installed
+        driver = self._acco_driver()
+        if driver is None or self._acco_eval_weights is not None or not installed():
+            return
+        if getattr(driver.schedule, "_swapped", False):
+            return  # inside committed_weights() already (HF Trainer's evaluation_loop)
+        ctx = driver.committed_weights()
+        ctx.__enter__()
+        self._acco_eval_weights = ctx
+
+    def _acco_leave_eval_weights(self) -> None:
+        ctx, self._acco_eval_weights = self.__dict__.get("_acco_eval_weights"), None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
 
     def destroy(self):
         driver = self._acco_driver()
         if driver is not None:
+            self._acco_leave_eval_weights()
             driver.close()
         super().destroy()
 
@@ -181,7 +270,7 @@ class AccoEngine(DeepSpeedEngine):
         rank = self.local_rank if self.use_node_local_storage() else self.global_rank
         if rank == 0:
             publish.clear_scratch(final)
-        with driver.committed_weights():
+        with self.acco_committed_weights():
             super().save_checkpoint(save_dir, tag=os.path.basename(publish.scratch_path(final)),
                                     client_state=client_state, save_latest=False,
                                     exclude_frozen_parameters=exclude_frozen_parameters)
@@ -193,6 +282,7 @@ class AccoEngine(DeepSpeedEngine):
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's load; then ACCO's in-flight state is restored when the checkpoint has it
         for this world size, otherwise a fresh phase starts at the loaded (committed) weights."""
+        self._acco_leave_eval_weights()
         schedule = self._acco_driver().schedule
         schedule.drain()
         self.optimizer.pending_acco_state = None
@@ -251,8 +341,10 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
     from deepspeed.runtime.pipe.module import PipelineModule
     if isinstance(model, PipelineModule):
-        raise ValueError("acco.enabled = true with a PipelineModule: pipeline engines are not supported by ACCO; "
-                         "fix: disable acco or train without pipeline parallelism")
+        raise ValueError("acco.enabled = true with a PipelineModule: DeepSpeed's pipeline engine is not supported "
+                         "by ACCO; fix: train without pipeline parallelism (Megatron-DeepSpeed builds a "
+                         "PipelineModule even with --pipeline-model-parallel-size 1 unless you pass "
+                         "--no-pipeline-parallel), or disable acco")
 
     def build(*a, **kw):
         return AccoEngine(*a, acco_config=acco, **kw)

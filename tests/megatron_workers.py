@@ -1,0 +1,118 @@
+"""Rank functions for tests/test_megatron_protocol.py: Megatron-DeepSpeed's exact call sequence.
+
+``megatron/core/pipeline_parallel/schedules.py forward_backward_no_pipelining`` (DeepSpeed path):
+``set_gradient_accumulation_boundary(False)``; A-1 x (forward, ``engine.backward(loss)``);
+``set_gradient_accumulation_boundary(True)``; forward; ``engine.backward(loss)``. Then
+``megatron/training.py train_step``: ``engine.step(lr_kwargs={'increment': n})`` and
+``update_successful = engine.was_step_applied()``. With ``--no-pipeline-parallel`` the loss is not
+divided by the number of micro-batches (DeepSpeed's backward scales it by 1/A).
+``evaluate()``: ``model.eval()``; under ``torch.no_grad()`` forward_backward_no_pipelining with
+``forward_only=True`` (the boundary calls, forwards, no backward); ``model.train()``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import ds_acco
+from fixtures import TinyNet, batch, ds_config, make_optimizer
+
+INCREMENT = 32  # Megatron: num_microbatches * micro_batch_size * data_parallel_size
+
+
+class IncrementLR(torch.optim.lr_scheduler.LambdaLR):
+    """The fixtures' "inv" schedule with Megatron's ``step(increment=...)`` signature; counts what
+    it was given so a test can check one advance per commit with the latest lr_kwargs."""
+
+    def __init__(self, opt):
+        self.calls, self.consumed = 0, 0
+        super().__init__(opt, lambda s: 1.0 / (1.0 + 0.5 * s))
+
+    def step(self, increment=None):
+        if increment is not None:
+            self.calls += 1
+            self.consumed += increment
+        super().step()
+
+
+def make_increment_lr(opt):
+    return IncrementLR(opt)
+
+
+def _committed(engine):
+    with ds_acco.committed_weights(engine):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def megatron_run(case: dict):
+    """``case``: mode, gas, iters, protocol ('megatron' or 'per_mb'), nan_at [(rank, i)], evaluate."""
+    rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
+    gas, iters = case["gas"], case["iters"]
+    if case.get("evaluate"):
+        ds_acco.install()  # Megatron's evaluate() then runs on committed weights
+    model = TinyNet(seed=0)
+    opt = make_optimizer("adamw")(model)
+    sched = IncrementLR(opt)
+    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                         config=ds_config(gas, {"enabled": True, "mode": case["mode"]}))
+    nan_at = [tuple(p) for p in case.get("nan_at", ())]
+    counter = iter(range(10**9))
+
+    def forward():
+        i = next(counter)
+        x, y = batch(rank, i)
+        if (rank, i) in nan_at:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return engine(x, y)
+
+    applied, steps, skipped, lrs, evals = [], [], [], [], []
+    for it in range(iters):
+        if case["protocol"] == "megatron":
+            engine.set_gradient_accumulation_boundary(False)
+            for _ in range(gas - 1):
+                engine.backward(forward())
+            engine.set_gradient_accumulation_boundary(True)
+            engine.backward(forward())
+            engine.step(lr_kwargs={"increment": INCREMENT})
+            applied.append(engine.was_step_applied())
+        else:  # the per-micro-batch loop ACCO was built around
+            for _ in range(gas):
+                engine.backward(forward())
+                engine.step(lr_kwargs={"increment": INCREMENT})
+        steps.append(engine.global_steps)
+        skipped.append(engine.skipped_steps)
+        lrs.append(engine.get_lr()[0])
+        if case.get("evaluate"):
+            evals.append(_megatron_evaluate(engine, gas, rank))
+    final = _committed(engine)
+    out = {"final": final, "applied": applied, "global_steps": steps, "skipped_steps": skipped, "lrs": lrs,
+           "sched_calls": sched.calls, "sched_consumed": sched.consumed, "evals": evals}
+    engine.destroy()
+    if case.get("evaluate"):
+        ds_acco.uninstall()
+    return out
+
+
+def _megatron_evaluate(engine, gas, rank):
+    """Megatron's evaluate(): eval(), forward-only micro-batches with the boundary calls, train().
+    Returns (loss seen by evaluate, loss at the committed weights, loss at the live weights)."""
+    x, y = batch(rank, 10**6)
+    with torch.no_grad():
+        live = float(engine(x, y))
+    engine.eval()
+    with torch.no_grad():
+        engine.set_gradient_accumulation_boundary(False)
+        seen = [float(engine(x, y)) for _ in range(gas - 1)]
+        engine.set_gradient_accumulation_boundary(True)
+        seen.append(float(engine(x, y)))
+    engine.train()
+    with torch.no_grad():
+        back = float(engine(x, y))
+        with ds_acco.committed_weights(engine):
+            committed = float(engine(x, y))
+    return {"seen": seen, "committed": committed, "live": live, "live_after": back}
+
+
+def megatron_cases(cases):
+    return [megatron_run(c) for c in cases]

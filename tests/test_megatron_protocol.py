@@ -1,0 +1,84 @@
+"""Megatron-DeepSpeed drives an ACCO engine unmodified (see tests/megatron_workers.py for the calls).
+
+The caller sets the accumulation boundary itself and calls ``step(lr_kwargs)`` once per A
+micro-batches: ACCO counts micro-batches in ``backward`` and must give exactly the schedule of the
+per-micro-batch ``step()`` loop (bit-identical committed weights), match the float64 reference,
+answer ``was_step_applied()`` as Megatron needs it, and evaluate on committed weights.
+"""
+import pytest
+import torch
+
+from dist import run_ranks
+from fixtures import TinyNet, batch, make_optimizer
+from reference import reference_run
+import megatron_workers
+from megatron_workers import INCREMENT, make_increment_lr
+
+GAS, ITERS = 4, 4
+NAN = {"acco": [(1, 6)], "dpu": [(0, 5)]}  # step 1's data: its commit is skipped (see test_nonfinite.py)
+CASES = {}
+for mode in ("acco", "dpu"):
+    for protocol in ("megatron", "per_mb"):
+        CASES[(mode, protocol, False)] = {"mode": mode, "gas": GAS, "iters": ITERS, "protocol": protocol,
+                                          "evaluate": protocol == "megatron" and mode == "acco"}
+        CASES[(mode, protocol, True)] = {"mode": mode, "gas": GAS, "iters": ITERS, "protocol": protocol,
+                                         "nan_at": NAN[mode]}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    keys = list(CASES)
+    out = run_ranks(megatron_workers.megatron_cases, cases=[CASES[k] for k in keys], timeout=240)
+    return [{k: per_rank[i] for i, k in enumerate(keys)} for per_rank in out]
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+@pytest.mark.parametrize("nan", [False, True])
+def test_megatron_sequence_equals_per_micro_batch_loop(runs, mode, nan):
+    for rank_runs in runs:
+        meg, per = rank_runs[(mode, "megatron", nan)], rank_runs[(mode, "per_mb", nan)]
+        for n in per["final"]:
+            assert torch.equal(meg["final"][n], per["final"][n]), n
+        assert meg["global_steps"] == per["global_steps"]
+        assert meg["skipped_steps"] == per["skipped_steps"]
+        assert meg["lrs"] == per["lrs"]
+        assert (meg["sched_calls"], meg["sched_consumed"]) == (per["sched_calls"], per["sched_consumed"])
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+@pytest.mark.parametrize("nan", [False, True])
+def test_megatron_matches_reference(runs, mode, nan):
+    run = runs[0][(mode, "megatron", nan)]
+    skip = (1,) if nan else ()
+    want = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=ITERS, mode=mode,
+                         make_optimizer=make_optimizer("adamw"), make_scheduler=make_increment_lr,
+                         skip_commit=skip)
+    for n, w in want.items():
+        got = run["final"][n].double()
+        assert float((got - w).abs().max()) <= 1e-5 * max(1.0, float(w.abs().max())), n
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_was_step_applied_and_counters(runs, mode):
+    for rank_runs in runs:
+        run = rank_runs[(mode, "megatron", False)]
+        assert run["applied"] == [True] * ITERS  # bootstrap iterations included: no false skips
+        # commits collected so far (the last one is collected by the final drain)
+        assert run["global_steps"] == [0, 1, 2, 3]
+        assert run["sched_calls"] == ITERS and run["sched_consumed"] == ITERS * INCREMENT
+        bad = rank_runs[(mode, "megatron", True)]
+        newly_skipped = [i for i in range(ITERS) if bad["skipped_steps"][i] > (bad["skipped_steps"][i - 1] if i else 0)]
+        assert len(newly_skipped) == 1 and bad["skipped_steps"][-1] == 1
+        # False in exactly the iteration whose collected commit was skipped
+        assert bad["applied"] == [i not in newly_skipped for i in range(ITERS)]
+        assert bad["sched_calls"] == ITERS - 1  # no LR advance for the skipped commit
+
+
+def test_evaluate_runs_on_committed_weights(runs):
+    for rank_runs in runs:
+        evals = rank_runs[("acco", "megatron", False)]["evals"]
+        for e in evals:
+            assert all(s == e["committed"] for s in e["seen"])
+            assert e["live_after"] == e["live"]  # train() put the live (estimate) weights back
+        # once estimates exist the live weights differ from the committed ones
+        assert any(e["live"] != e["committed"] for e in evals)
