@@ -6,6 +6,16 @@
     python -m ds_acco ab ...                # forwarded to python -m ds_acco.bench ab ...
     python -m ds_acco advise ...            # forwarded to python -m ds_acco.bench advise ...
     python -m ds_acco cluster-test ...      # forwarded to python -m ds_acco.bench cluster-test ...
+    python -m ds_acco run SCRIPT.py ARGS... # ds_acco.install(), then SCRIPT as __main__ (unedited)
+    python -m ds_acco run -m MODULE ARGS... # the same for a module (python -m MODULE)
+
+``run`` turns ACCO on in a script you do not edit (HF example scripts, Megatron-DeepSpeed's
+pretrain_gpt.py): its ``deepspeed.initialize`` calls honour the config's ``"acco"`` block, exactly
+as if the script had called ``ds_acco.install()`` first. ``sys.argv`` is ``[SCRIPT, ARGS...]`` and
+the script's directory is first on ``sys.path``, as with ``python SCRIPT.py``. Launchers:
+``torchrun --nproc_per_node N -m ds_acco run SCRIPT.py ARGS`` or
+``deepspeed --num_gpus N --module ds_acco run SCRIPT.py ARGS`` (the ``--local_rank=K`` that the
+deepspeed launcher puts before ``run`` is handed on to the script).
 
 ``check`` validates the ``"acco"`` block (every key, with its default when absent) and, when ACCO is
 enabled, the DeepSpeed settings it depends on (ZeRO stage, an even ``gradient_accumulation_steps``
@@ -20,6 +30,7 @@ import importlib
 import importlib.util
 import json
 import os
+import runpy
 import sys
 from typing import List, Optional
 
@@ -111,8 +122,54 @@ def forward_to_bench(command: str, argv: List[str], err=None) -> int:
     return int(rc or 0)
 
 
+RUN_USAGE = ("usage: python -m ds_acco run SCRIPT.py [ARGS...] | python -m ds_acco run -m MODULE [ARGS...]: "
+             "runs SCRIPT (or MODULE) as __main__ after ds_acco.install()")
+
+
+def run_script(argv: List[str], err=None) -> int:
+    """``python -m ds_acco run SCRIPT.py ARGS`` / ``run -m MODULE ARGS``: ``ds_acco.install()``, then
+    the script as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``. Its exit status is ours."""
+    err = err or sys.stderr
+    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
+        print(RUN_USAGE, file=err)
+        return EXIT_OK if argv and argv[0] in ("-h", "--help") else EXIT_ERROR
+    from . import install
+    install()
+    if argv[0] == "-m":
+        module, rest = argv[1], argv[2:]
+        sys.argv = [module, *rest]  # runpy replaces [0] with the module's path
+        sys.path.insert(0, os.getcwd())  # as python -m does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return EXIT_OK
+    script, rest = argv[0], argv[1:]
+    if not os.path.exists(script):
+        print(f"error: no such script: {script}\n{RUN_USAGE}", file=err)
+        return EXIT_ERROR
+    sys.argv = [script, *rest]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python SCRIPT.py does
+    runpy.run_path(script, run_name="__main__")
+    return EXIT_OK
+
+
+def _split_launcher_args(argv: List[str]) -> tuple:
+    """The deepspeed launcher's ``--module`` mode puts ``--local_rank=K`` before our command."""
+    lead = []
+    while argv and argv[0].startswith("--local_rank"):
+        lead.append(argv.pop(0))
+        if lead[-1] == "--local_rank" and argv:
+            lead.append(argv.pop(0))
+    return lead, argv
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    lead, argv = _split_launcher_args(argv)
+    if argv and argv[0] == "run":  # the script parses its own options: no argparse here
+        rest = argv[1:]
+        if lead and rest:
+            at = 2 if rest[0] == "-m" else 1
+            rest = rest[:at] + lead + rest[at:]
+        return run_script(rest)
     if argv and argv[0] in BENCH_COMMANDS:  # the bench parses its own options, --help included
         return forward_to_bench(argv[0], argv[1:])
     p = argparse.ArgumentParser(prog="python -m ds_acco", description="ds_acco: ACCO for DeepSpeed ZeRO-1.")
@@ -121,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("config", help="path to a DeepSpeed JSON config, or the name of a shipped one (e.g. acco.json)")
     c = sub.add_parser("configs", help="print the paths of the configs shipped with ds_acco")
     c.add_argument("name", nargs="?", help="print only this one's path (e.g. acco.json)")
+    sub.add_parser("run", help="ds_acco.install(), then run SCRIPT.py ARGS (or -m MODULE ARGS) as __main__",
+                   add_help=False)
     for name in BENCH_COMMANDS:
         sub.add_parser(name, help=f"forwarded to python -m ds_acco.bench {name} (see its --help)", add_help=False)
     args = p.parse_args(argv)
@@ -129,4 +188,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     return check(args.config)
 
 
-__all__ = ["check", "forward_to_bench", "list_configs", "main"]
+__all__ = ["check", "forward_to_bench", "list_configs", "main", "run_script"]

@@ -137,3 +137,6 @@ class CommLane:
         if thread is not None:
             self._queue.put(None)
             thread.join(self.timeout_s)
+            self.stuck = thread.is_alive()
+
+    stuck = False  # close() left the worker inside a round (its collectives may still use the group)

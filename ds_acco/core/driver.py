@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -91,6 +92,8 @@ class AccoDriver:
             updates its scaler there); returns the loss scale to report, or None without fp16.
         after_commit: the adapter's own per-commit bookkeeping, ``(result, record)``.
         framework: named in the banner and in errors.
+        announce: where rank 0's start-up banner goes (default: ``log``); it must be visible by
+            default, e.g. DeepSpeed's logger at WARNING (DeepSpeed 0.19 hides INFO).
     """
 
     def __init__(self, config, *, groups: Sequence[BufferGroup], optimizer: torch.optim.Optimizer, process_group,
@@ -99,7 +102,8 @@ class AccoDriver:
                  loss_scale: Optional[Callable[[], float]] = None,
                  update_loss_scale: Optional[Callable[[bool], Optional[float]]] = None,
                  after_commit: Optional[Callable[[RoundResult, dict], None]] = None,
-                 monitor: Any = None, log: Optional[Callable[[str], None]] = None, framework: str = ""):
+                 monitor: Any = None, log: Optional[Callable[[str], None]] = None, framework: str = "",
+                 announce: Optional[Callable[[str], None]] = None):
         self.config = config
         self.log = log or logger.info
         self.host = host
@@ -130,7 +134,7 @@ class AccoDriver:
         self._previous_sigterm = None
         self._stop_save: Optional[Callable[[str], None]] = None
         if dist.get_rank() == 0:
-            self.log(self.banner(framework))
+            (announce or self.log)(self.banner(framework))
 
     def banner(self, framework: str = "") -> str:
         """One line: ACCO is on, its mode, phase length and buffer size."""
@@ -233,9 +237,14 @@ class AccoDriver:
                              "fix: set \"sigterm\": \"off\"")
         self._stop_save = save
         previous = signal.getsignal(signal.SIGTERM)
+        # A weak reference: an engine that is never destroyed must not be kept alive by the
+        # process-wide handler chain (its lane and process group are released when it is collected).
+        me = weakref.ref(self)
 
         def handler(signum, frame):
-            self.stop_requested = True
+            driver = me()
+            if driver is not None:
+                driver.stop_requested = True
             if callable(previous):
                 previous(signum, frame)
         signal.signal(signal.SIGTERM, handler)
@@ -265,3 +274,16 @@ class AccoDriver:
             self.schedule.close()
         finally:
             self._uninstall_sigterm()
+            self._release_process_group()
+
+    def _release_process_group(self) -> None:
+        """Give the rounds' process group back (local: no collective, so it is safe from a
+        finaliser or the garbage collector at any point of another engine's life). Kept while
+        the lane's thread is still inside a round (a dead peer): it would use a destroyed group."""
+        pg, self.process_group = self.process_group, None
+        if pg is None or not dist.is_initialized() or self.lane.stuck:
+            return
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:  # already gone (the default group was destroyed first): nothing to free
+            pass

@@ -1,0 +1,21 @@
+"""Engines that are never destroyed never affect later engines in the process: no collective from
+finalisation or garbage collection, their lane and process group released without one."""
+from dist import run_ranks
+import lifecycle_workers
+
+import torch
+
+
+def test_undestroyed_engines_never_hang_and_equal_a_fresh_one():
+    out = run_ranks(lifecycle_workers.undestroyed_engines, timeout=150, engines=10, repeats=3)
+    for rank_out in out:
+        results = rank_out["results"]
+        assert len(results) == 30
+        fresh_weights, fresh_steps = results[0]
+        assert fresh_steps == 1
+        for i, (weights, steps) in enumerate(results):
+            assert steps == fresh_steps, i
+            for n in fresh_weights:
+                assert torch.equal(weights[n], fresh_weights[n]), (i, n)
+        assert rank_out["lanes_left"] == 0  # every unreferenced engine's lane thread ended
+        assert rank_out["groups_left"] == 0  # and its process group was released
