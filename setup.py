@@ -1,4 +1,24 @@
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+PTH = "ds_acco_autoinstall.pth"  # DS_ACCO_INSTALL=1: ds_acco.install() when deepspeed is imported
+
+
+class BuildPyWithPth(build_py):
+    """Ship the top-level .pth into purelib (site-packages) of the wheel: setuptools' data_files
+    would put it under the data prefix, where site never reads it."""
+
+    def run(self):
+        super().run()
+        if os.path.exists(PTH):
+            shutil.copy(PTH, os.path.join(self.build_lib, PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
 
 setup(
     name="ds_acco",
@@ -8,6 +28,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_acco", "ds_acco.*"]),
+    cmdclass={"build_py": BuildPyWithPth},
     # The ready configs ship with the package (ds_configs/ in a checkout is a link to them).
     package_data={"ds_acco.configs": ["*.json"]},
     python_requires=">=3.10",
