@@ -27,6 +27,13 @@ grad scaling on the optimizer) is refused: the caller falls back to a snapshot.
 
 The computation runs in the parameter's dtype (fp32 for master shards, as the optimizers do);
 each chunk of the result is cast to the dtype of ``outs[i]`` as it is written.
+
+``commit_in_place(optimizer, params, grads, chunk_elems)`` is the same kernels run the other way
+round, for torch SGD/Adam/AdamW only (:func:`supports_commit`): the parameters and the state are
+updated in place exactly as one real ``optimizer.step()`` would (bit-identical, lazy state
+initialisation included), with one chunk-sized temporary instead of the shard-sized ones torch's
+step allocates (Adam's ``denom``, the weight-decayed or negated gradient). DeepSpeed's Adams keep
+their real step: the C++ object's running β^t cannot be advanced from Python.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import sys
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
 """1 Mi elements: 4 MiB per fp32 buffer; a 7B model on 8 ranks has 875 M elements per shard (0.12 %)."""
@@ -188,6 +196,120 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems) -> None:
             ds._fused_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
 
 
+def _step_overridden(optimizer) -> bool:
+    """Whether the instance's ``step`` is anything but its class's (an LR scheduler's wrapper of
+    the class's step, which only sets ``_opt_called``, is not an override)."""
+    step = optimizer.__dict__.get("step")
+    if step is None:
+        return False
+    return not (getattr(step, "_wrapped_by_lr_sched", False)
+                and getattr(step, "__wrapped__", None) is type(optimizer).step)
+
+
+def supports_commit(optimizer) -> bool:
+    """Whether :func:`commit_in_place` may replace ``optimizer.step()``: torch SGD/Adam/AdamW under
+    the conditions of :func:`supports`, no step pre/post hooks (global or the optimizer's: they
+    expect the real step), ``step`` not overridden on the instance, and every Adam ``step`` state
+    a tensor (as ``load_state_dict`` and ``_init_group`` make it)."""
+    kind = _kind(optimizer)
+    if kind not in ("sgd", "adam") or not supports(optimizer) or _step_overridden(optimizer):
+        return False
+    if (_torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks
+            or getattr(optimizer, "_optimizer_step_pre_hooks", None)
+            or getattr(optimizer, "_optimizer_step_post_hooks", None)):
+        return False
+    if kind == "adam":
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if step is not None and not (torch.is_tensor(step) and step.numel() == 1 and not step.requires_grad):
+                return False
+    return True
+
+
+def commit_in_place(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                    chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> None:
+    """θ, S ← Opt(θ, S, g) in place: what one ``optimizer.step()`` with ``p.grad = grads[i]`` (and
+    no gradient on any other parameter) does to the parameters and the optimizer state, bit for
+    bit, including torch's lazy state initialisation on a parameter's first step (the same
+    tensors: ``step`` a CPU scalar of torch's scalar dtype, moments ``zeros_like`` the parameter,
+    SGD's momentum buffer a copy of the first gradient). The temporaries are one chunk of
+    ``chunk_elems`` elements (SGD: up to two), whatever the size of the shard.
+
+    Of what ``Optimizer.step``'s wrappers do, ``_opt_called`` is set when an LR scheduler has
+    wrapped the step (so the scheduler does not warn about ``lr_scheduler.step()`` before
+    ``optimizer.step()``); the profiler label is skipped; with step hooks registered
+    :func:`supports_commit` is false and the caller must take the real step. Every tensor must be
+    contiguous; a gradient must not overlap its parameter or the state (it is read while they are
+    written).
+    """
+    kind = _kind(optimizer)
+    if not supports_commit(optimizer):
+        raise ValueError(f"no functional commit for {type(optimizer).__name__} with these settings; "
+                         "check supports_commit() first")
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+    if len(params) != len(grads):
+        raise ValueError("params and grads must have the same length")
+    grad_of = {id(p): g for p, g in zip(params, grads)}
+    owned = {id(p) for group in optimizer.param_groups for p in group[_GROUP_PARAMS]}
+    if not set(grad_of) <= owned:
+        raise ValueError("every parameter must belong to the optimizer")
+    ws = _Workspace(chunk_elems)
+    with torch.no_grad():
+        for group in optimizer.param_groups:  # step()'s order (state entries are created in it)
+            for p in group[_GROUP_PARAMS]:
+                g = grad_of.get(id(p))
+                if g is None:
+                    continue
+                pl, gl = _flat(_local(p), "parameter"), _flat(_local(g), "gradient")
+                if gl.numel() != pl.numel() or gl.dtype != pl.dtype:
+                    raise ValueError("a gradient must match its parameter's numel and dtype")
+                if kind == "sgd":
+                    state, fresh = _sgd_state(optimizer, p, g, group)
+                    _check_no_overlap(gl, pl, state)
+                    _sgd(pl, gl, pl, group, state, ws, commit=True, fresh=fresh)
+                else:
+                    state = _adam_state(optimizer, p, group)
+                    _check_no_overlap(gl, pl, state)
+                    _adam(pl, gl, pl, group, state, ws, commit=True)
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        optimizer._opt_called = True  # what the scheduler's wrapper of step() sets
+
+
+def _sgd_state(optimizer, p, g, group):
+    """SGD's state as its step leaves it: ``momentum_buffer`` (a clone of the first gradient: a new
+    tensor like it, filled by the kernel) when momentum is on; no entry at all otherwise."""
+    if group["momentum"] == 0:
+        return {}, False
+    state = optimizer.state[p]  # the step's defaultdict access creates the entry
+    if state.get("momentum_buffer") is not None:
+        return state, False
+    state["momentum_buffer"] = torch.empty_like(g, memory_format=torch.preserve_format)
+    return state, True
+
+
+def _adam_state(optimizer, p, group):
+    """Adam's ``_init_group`` for a parameter without state (not fused, not capturable)."""
+    state = optimizer.state[p]
+    if len(state) == 0:
+        state["step"] = torch.tensor(0.0, dtype=_torch_optimizer._get_scalar_dtype(), device="cpu")
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+    missing = [k for k in keys if k not in state]
+    if missing:  # the real step would raise a KeyError
+        raise KeyError(f"Adam state without {missing}")
+    return state
+
+
+def _check_no_overlap(g: torch.Tensor, p: torch.Tensor, state: dict) -> None:
+    for t in [p] + [_local(v) for v in state.values() if torch.is_tensor(v)]:
+        if _overlaps(g, t):
+            raise ValueError("a gradient must not overlap its parameter or the optimizer state")
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
@@ -241,7 +363,14 @@ def _target(out: torch.Tensor, like: torch.Tensor, ws: _Workspace, slot: int, n:
 
 
 # -- torch.optim.SGD: _single_tensor_sgd / _multi_tensor_sgd -----------------------------------
-def _sgd(p, g, out, group, state, ws):
+# The kernels serve both directions. Estimate (commit=False): the result goes to ``out``, the new
+# moments to workspace buffers, the state is only read. Commit (commit=True, ``out`` is the
+# parameter itself, the state tensors exist): the same ops write the new moments over the state
+# chunk they read (``torch.op(x, ..., out=x)`` is the step's ``x.op_(...)``) and the result over
+# the parameter chunk, after every read of it.
+def _sgd(p, g, out, group, state, ws, commit=False, fresh=False):
+    """``fresh`` (commit only): the momentum buffer was just created and is to be filled with the
+    first gradient, as the step's ``grad.clone()``."""
     lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
     dampening, nesterov, maximize = group["dampening"], group["nesterov"], group["maximize"]
     buf_all = _state_flat(state, "momentum_buffer") if momentum != 0 else None
@@ -256,8 +385,11 @@ def _sgd(p, g, out, group, state, ws):
         if momentum != 0:
             if buf_all is None:
                 buf = grad  # first step: the buffer is a clone of the gradient
+            elif fresh:
+                buf = buf_all.narrow(0, s, n).copy_(grad)
             else:
-                buf = torch.mul(buf_all.narrow(0, s, n), momentum, out=ws.get(1, p, n))
+                state_chunk = buf_all.narrow(0, s, n)
+                buf = torch.mul(state_chunk, momentum, out=state_chunk if commit else ws.get(1, p, n))
                 buf.add_(grad, alpha=1 - dampening)
             grad = torch.add(grad, buf, alpha=momentum, out=gb) if nesterov else buf
         tgt = _target(oc, p, ws, 2, n)
@@ -276,7 +408,9 @@ def _torch_step_value(state: dict) -> float:
     return float(step_t) + 1
 
 
-def _adam(p, g, out, group, state, ws):
+def _adam(p, g, out, group, state, ws, commit=False):
+    """Commit: ``out`` is ``p``; exp_avg, exp_avg_sq (and max_exp_avg_sq) exist (zeros on the first
+    step, as ``_init_group`` makes them) and are updated in place, the ``step`` tensor first."""
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     beta1, beta2 = group["betas"]
     amsgrad, maximize = group["amsgrad"], group["maximize"]
@@ -285,14 +419,23 @@ def _adam(p, g, out, group, state, ws):
     max_exp_avg_sq = _state_flat(state, "max_exp_avg_sq") if amsgrad else None
     if (exp_avg is None) != (exp_avg_sq is None):
         raise ValueError("inconsistent Adam state: exp_avg and exp_avg_sq must both exist or neither")
-    step = _torch_step_value(state)
+    if commit:
+        step_t = state["step"]
+        step_t += 1  # the step's ``step_t += 1``, then ``_get_value(step_t)``
+        step = step_t.item()
+    else:
+        step = _torch_step_value(state)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2 ** 0.5
     for s, n in _chunks(p.numel(), ws.chunk):
         pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
-        gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
+        gb = ws.get(0, p, n)
+        if commit:  # the new moments over the state they are computed from
+            mb, vb = exp_avg.narrow(0, s, n), exp_avg_sq.narrow(0, s, n)
+        else:
+            mb, vb = ws.get(1, p, n), ws.get(2, p, n)
         tgt = _target(oc, p, ws, 3, n)
         grad = gc
         if maximize:
@@ -305,15 +448,18 @@ def _adam(p, g, out, group, state, ws):
         else:
             torch.lerp(exp_avg.narrow(0, s, n), grad, 1 - beta1, out=mb)
             torch.mul(exp_avg_sq.narrow(0, s, n), beta2, out=vb).addcmul_(grad, grad, value=1 - beta2)
+        v_hat = vb  # what the denominator is computed from
         if amsgrad:
             if max_exp_avg_sq is None:
                 torch.maximum(torch.zeros((), dtype=vb.dtype, device=vb.device), vb, out=vb)
             else:
-                torch.maximum(max_exp_avg_sq.narrow(0, s, n), vb, out=vb)
+                max_chunk = max_exp_avg_sq.narrow(0, s, n)
+                # estimate: the max over vb (a workspace copy); commit: over the state's max
+                v_hat = torch.maximum(max_chunk, vb, out=max_chunk if commit else vb)
         # The gradient is no longer needed: from here on the output may be written (it may be
         # the gradient's own memory), and gb is free.
         base = torch.mul(pc, 1 - lr * wd, out=tgt) if wd != 0 and decoupled else pc
-        denom = torch.sqrt(vb, out=gb)
+        denom = torch.sqrt(v_hat, out=gb)
         denom.div_(bias_correction2_sqrt).add_(eps)
         torch.addcdiv(base, mb, denom, value=-step_size, out=tgt)
         if tgt is not oc:
