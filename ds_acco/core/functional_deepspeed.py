@@ -8,7 +8,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .functional_step import _GROUP_PARAMS, _chunks, _state_flat, _target
+from .functional_kernels import _chunks, _state_flat, _target
+from .functional_step import _GROUP_PARAMS
 
 
 # -- DeepSpeedCPUAdam: Adam_Optimizer::Step_AVX (csrc/includes/cpu_adam.h) --------------------
