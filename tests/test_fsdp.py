@@ -9,6 +9,7 @@ import torch
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer, make_scheduler
 from reference import reference_replay, reference_run
+from timeouts import scaled
 import fsdp_workers
 
 STEPS, GAS = 3, 4
@@ -39,7 +40,7 @@ def runs(tmp_path_factory):
     ds_cases = [{"optimizer": o, "schedule": s, "clip": c, "steps": STEPS, "gas": GAS,
                  "acco": {"enabled": True, "mode": m}} for m, o, s, c in FIXED.values()]
     ckpt_dir = str(tmp_path_factory.mktemp("fsdp_ckpt"))
-    r0, r1 = run_ranks(fsdp_workers.everything, timeout=900, ds_cases=ds_cases, fsdp_cases=list(FSDP_CASES.values()),
+    r0, r1 = run_ranks(fsdp_workers.everything, timeout=scaled(300), ds_cases=ds_cases, fsdp_cases=list(FSDP_CASES.values()),
                        ckpt_case=CKPT_CASE, ckpt_dir=ckpt_dir, save_at=SAVE_AT, total=TOTAL)
     print(f"DeepSpeed cases {r0['ds_s']:.1f}s, FSDP cases {r0['fsdp_s']:.1f}s")
     out = {name: (r0["fsdp"][i], r1["fsdp"][i]) for i, name in enumerate(FSDP_CASES)}
