@@ -4,12 +4,21 @@ DeepSpeed's CPU shared-memory comm op creates a ~66 MB file per rank in /dev/shm
 (master address, port) it initialises with, and never removes it. A suite that starts dozens
 of rank pairs would fill /dev/shm (RAM) with them; every test module cleans up the ones this
 session created once its ranks are gone.
+
+Before any test (``pytest_sessionstart``, outside every test's time limit) the session points
+all ranks and launchers at one TORCH_EXTENSIONS_DIR, removes build locks left by killed
+compiles and builds DeepSpeed's CPU ops (tests/prebuild.py); ``ACCO_TEST_OPS_BUILT=1`` skips
+the build (scripts/test.sh sets it after building them itself).
 """
 import glob
 import os
+import subprocess
+import sys
 import time
 
 import pytest
+
+import prebuild
 
 _SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 _SESSION_START = time.time() - 1
@@ -26,6 +35,28 @@ def sweep_deepspeed_shm(since: float = _SESSION_START) -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+def pytest_sessionstart(session):
+    # One extensions dir for everything the suite starts (spawned ranks, launchers, bench
+    # subprocesses inherit it), so each op is compiled once per machine, not once per dir.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", prebuild.default_extensions_dir())
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if os.environ.get("ACCO_TEST_OPS_BUILT", "") == "1":
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = tr.write_line if tr is not None else (lambda line: sys.stderr.write(line + "\n"))
+    t0 = time.perf_counter()
+    # A subprocess: the session itself never imports DeepSpeed's ops; no time limit on purpose.
+    r = subprocess.run([sys.executable, prebuild.__file__], capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        if line.startswith("prebuild:") and ("removed" in line or "held" in line or time.perf_counter() - t0 > 20):
+            say(line)
+    if r.returncode != 0:
+        say(f"conftest: building DeepSpeed's CPU ops failed (exit {r.returncode}); tests that start DeepSpeed "
+            f"will fail:\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
+    else:
+        os.environ["ACCO_TEST_OPS_BUILT"] = "1"
 
 
 @pytest.fixture(scope="module", autouse=True)
