@@ -60,6 +60,13 @@ def make_optimizer(name: str):
             return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9, weight_decay=0.01)
         if name == "adamw":
             return torch.optim.AdamW(param_groups(model), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
+        if name == "adamw-fast":
+            # For precision tests: lr 0.05 puts the schedules (acco, dpu, stock) far apart relative to
+            # bf16 noise; eps 1e-3 keeps Adam's first steps from being sign-like on tiny gradients
+            # (with eps 1e-8, bf16 gradient noise moves ACCO's θ_T 5x more than stock's or DPU's: its
+            # estimate steps from S_t amplify it; seen in a float64 reference with bf16-rounded
+            # gradients, no ds_acco involved).
+            return torch.optim.AdamW(param_groups(model), lr=0.05, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1)
         if name == "adamw1":  # one group, as DeepSpeed's config-built AdamW makes it
             return torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
         if name == "adam":

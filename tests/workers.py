@@ -82,17 +82,25 @@ def _train_loop(engine, case, rank, lane_log):
     with ds_acco.committed_weights(engine):
         final = snapshot(engine.module)
         steps = engine.global_steps
+        final_fp32 = master_weights(engine) if next(engine.module.parameters()).dtype != torch.float32 else final
     if hasattr(engine.optimizer, "schedule"):
         for r in engine.optimizer.schedule.recent_rounds:
             rounds[(r.kind.value, r.step)] = r.skipped
     if lane_log is not None:
         lane_log.release_all()
     out = {"lane_error": None, "param_dtype": str(next(engine.module.parameters()).dtype), "skipped_steps": engine.skipped_steps, "losses": losses, "lane_log": lane_log.events if lane_log else None,
-           "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
+           "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "final_fp32": final_fp32, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
            "probes": probes, "optimizer": type(engine.optimizer).__name__, "loss_scales": loss_scales,
            "rounds": sorted(rounds.items()), "metrics": [dict(m) for m in getattr(engine, "acco_metrics_history", [])]}
     engine.destroy()
     return out
+
+
+def master_weights(engine):
+    """The committed fp32 master θ (full, gathered from the ZeRO shards; a collective: every rank
+    calls it). With bf16/fp16 weights this is θ_T itself; the module holds its rounding."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def install_dynamic_scaler(engine, args: dict) -> None:
@@ -169,6 +177,11 @@ class GatedLog:
             gate.set()
 
 
+class GateTimeout(RuntimeError):
+    """A gated round's gate never opened (not a TimeoutError: the lane would report that as its own
+    comm_timeout_s, hiding this message)."""
+
+
 def install_gated_lane(engine, gate_timeout_s: float = 5.0):
     import threading
     log = GatedLog(gate_timeout_s)
@@ -185,7 +198,7 @@ def install_gated_lane(engine, gate_timeout_s: float = 5.0):
         def gated():
             log.log("round start", k)
             if not gate.wait(log.gate_timeout_s):
-                raise TimeoutError(
+                raise GateTimeout(
                     f"gated lane: round {k} ('{name}') waited {log.gate_timeout_s:.0f} s and no micro-batch that started "
                     "after its submit finished: the compute lane is blocked on the round in flight (no overlap)")
             out = fn()
