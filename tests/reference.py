@@ -64,16 +64,23 @@ class _Trainer:
 def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, world: int, gas: int, steps: int,
                   mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
                   clip: float = 0.0, estimate_log: Optional[List] = None,
-                  skip_estimate=(), skip_commit=()) -> Dict[str, torch.Tensor]:
+                  skip_estimate=(), skip_commit=(), stock_steps_first: int = 0) -> Dict[str, torch.Tensor]:
     """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank.
 
     ``skip_estimate`` / ``skip_commit``: steps whose round had a non-finite gradient: the
     estimate falls back to θ_t; the commit leaves θ, S and the LR schedule unchanged.
+    ``stock_steps_first``: first that many stock (synchronous) steps on the first micro-batches,
+    then ``steps`` steps of ``mode`` from there (a fresh bootstrap at those θ, S and LR schedule)
+    on the micro-batches that follow: a stock ZeRO-1 checkpoint resumed under ``mode``.
     """
     tr = _Trainer(model, make_optimizer, make_scheduler, clip)
+    first = gas * stock_steps_first  # micro-batch index where ``mode`` starts
 
     def mb(t, lo, hi):  # micro-batches lo..hi-1 of step t, all ranks
-        return [batch(r, gas * t + i) for r in range(world) for i in range(lo, hi)]
+        return [batch(r, first + gas * t + i) for r in range(world) for i in range(lo, hi)]
+
+    for t in range(stock_steps_first):
+        tr.commit(_mean_grad(tr.model, tr.params(), [batch(r, gas * t + i) for r in range(world) for i in range(gas)]))
 
     if mode == "sync":  # stock ZeRO-1: one step per ``gas`` micro-batches, at the current θ, no delay
         for t in range(steps):
