@@ -62,6 +62,11 @@ def _train_loop(engine, case, rank, lane_log):
             lane_log.before_micro_batch(i)
         loss = engine(x.to(dtype), y.to(dtype))
         engine.backward(loss)
+        if [rank, i] in [list(p) for p in case.get("inf_grad_at", ())]:
+            # an infinite (not NaN) gradient entry on one rank: written into the accumulated gradient
+            # (p.grad is a view of ACCO's accumulator), so the round's global norm is +inf, not NaN
+            with torch.no_grad():
+                next(engine.module.parameters()).grad.view(-1)[0] = float("inf")
         boundaries.append(engine.is_gradient_accumulation_boundary())
         engine.step()
         if i in case.get("override_at", {}):  # a loss scale set from outside, mid-phase
