@@ -5,10 +5,11 @@ DeepSpeed's CPU shared-memory comm op creates a ~66 MB file per rank in /dev/shm
 of rank pairs would fill /dev/shm (RAM) with them; every test module cleans up the ones this
 session created once its ranks are gone.
 
-Before any test (``pytest_sessionstart``, outside every test's time limit) the session points
-all ranks and launchers at one TORCH_EXTENSIONS_DIR, removes build locks left by killed
-compiles and builds DeepSpeed's CPU ops (tests/prebuild.py); ``ACCO_TEST_OPS_BUILT=1`` skips
-the build (scripts/test.sh sets it after building them itself).
+At session start all ranks and launchers are pointed at one TORCH_EXTENSIONS_DIR; after
+collection, before any test and outside every test's time limit, build locks left by killed
+compiles are removed and DeepSpeed's CPU ops are built (tests/prebuild.py), unless
+``ACCO_TEST_OPS_BUILT=1`` (scripts/test.sh sets it after building them itself) or no collected
+module needs them.
 """
 import glob
 import os
@@ -42,7 +43,15 @@ def pytest_sessionstart(session):
     # subprocesses inherit it), so each op is compiled once per machine, not once per dir.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", prebuild.default_extensions_dir())
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def pytest_collection_finish(session):
+    """After collection, before the first test: build the ops unless already built or no collected
+    module needs them (modules that start no DeepSpeed say ``NEEDS_DEEPSPEED_OPS = False``)."""
     if os.environ.get("ACCO_TEST_OPS_BUILT", "") == "1":
+        return
+    modules = {getattr(item, "module", None) for item in session.items}
+    if not any(getattr(m, "NEEDS_DEEPSPEED_OPS", True) for m in modules if m is not None):
         return
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
     say = tr.write_line if tr is not None else (lambda line: sys.stderr.write(line + "\n"))
