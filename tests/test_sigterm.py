@@ -3,6 +3,7 @@ the checkpoint resumes exactly."""
 import torch
 
 from dist import run_ranks
+from timeouts import scaled
 import workers
 
 TOTAL = 40
@@ -12,7 +13,7 @@ def test_sigterm_stops_all_ranks_with_an_exact_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     case = {"optimizer": "adamw", "schedule": "inv", "gas": 4,
             "acco": {"enabled": True, "mode": "acco", "sigterm": "checkpoint", "sigterm_checkpoint_dir": ckpt}}
-    out = run_ranks(workers.sigterm_run, case=case, signal_rank=1, signal_at=9, total=TOTAL, timeout=240)
+    out = run_ranks(workers.sigterm_run, case=case, signal_rank=1, signal_at=9, total=TOTAL, timeout=scaled(80))
     assert all(r["stopped"] and r["code"] == 143 for r in out), out
     assert out[0]["done"] == out[1]["done"] < TOTAL - 1  # fixed mode: the same micro-batch on both ranks
     assert out[0]["global_steps"] == out[1]["global_steps"]
