@@ -3,7 +3,6 @@ cluster's commands and launcher (no root needed), and one emulated-cluster run (
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import prebuild
 from dist import free_port
 from timeouts import scaled
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- advisor --------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import pytest
 
 from timeouts import scaled
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "tests" / "launch" / "smoke.py"
 BIN = Path(sys.executable).parent
 WORLD = 2

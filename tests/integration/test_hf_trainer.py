@@ -13,7 +13,7 @@ from timeouts import scaled
 
 pytest.importorskip("accelerate", reason="HF Trainer's DeepSpeed integration needs accelerate")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, GAS = 6, 4
 
 

@@ -13,7 +13,7 @@ import pytest
 from ds_acco import cli
 from timeouts import scaled
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 

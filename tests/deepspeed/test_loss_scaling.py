@@ -146,11 +146,11 @@ def test_real_fp16_resumes_bit_identically(tmp_path):
     """Saved after the scale has moved (skips at the start, growth later), a run resumed in new
     processes continues bit-identically: DeepSpeed's scaler state and the scale G carries are
     part of the checkpoint."""
-    import workers
+    import lifecycle_workers
     case = dict(REAL_DS, steps=None)
     save_at, total = (6, 13, 17, 22), 30
-    full = run_ranks(workers.checkpoint_save_run, case=case, save_dir=str(tmp_path), save_at=save_at, total=total)
-    resumed = run_ranks(workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=save_at,
+    full = run_ranks(lifecycle_workers.checkpoint_save_run, case=case, save_dir=str(tmp_path), save_at=save_at, total=total)
+    resumed = run_ranks(lifecycle_workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=save_at,
                         total=total)
     for rank in (0, 1):
         for i in save_at:

@@ -11,7 +11,7 @@ import pytest
 
 from dist import run_ranks
 from fixtures import WideNet
-import workers
+import lifecycle_workers
 
 MICRO_BATCHES, SAMPLE_EVERY = 161, 20  # samples every 20 micro-batches: a multiple of gas, same phase position
 RSS_THRESHOLD_MB = 6.0
@@ -23,7 +23,7 @@ def test_long_run_does_not_grow(mode, monkeypatch):
     assert model_mb > RSS_THRESHOLD_MB + 2  # one leaked model-sized buffer is seen
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # read by the spawned ranks' glibc at start
     case = {"optimizer": "adamw", "gas": 4, "model": "wide", "acco": {"enabled": True, "mode": mode}}
-    samples = run_ranks(workers.soak, case=case, micro_batches=MICRO_BATCHES, sample_every=SAMPLE_EVERY)[0]
+    samples = run_ranks(lifecycle_workers.soak, case=case, micro_batches=MICRO_BATCHES, sample_every=SAMPLE_EVERY)[0]
     first, last = samples[1], samples[-1]  # after warm-up
     for s in samples:
         print(s)

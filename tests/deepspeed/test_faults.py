@@ -5,7 +5,7 @@ import pytest
 
 from dist import run_ranks
 from timeouts import scaled
-import workers
+import lifecycle_workers
 
 
 @pytest.mark.parametrize("mode", ["acco"])  # dpu uses the same lane and error path
@@ -13,7 +13,7 @@ def test_peer_death_is_reported_within_the_timeout(mode):
     case = {"optimizer": "sgd", "gas": 4, "acco": {"enabled": True, "mode": mode, "comm_timeout_s": 20}}
     timeout = scaled(60)
     t0 = time.monotonic()
-    results = run_ranks(workers.rank_dies, case=case, die_rank=1, die_at=9, allow_missing=True, timeout=timeout)
+    results = run_ranks(lifecycle_workers.rank_dies, case=case, die_rank=1, die_at=9, allow_missing=True, timeout=timeout)
     elapsed = time.monotonic() - t0
     assert results[1] is None  # the dead rank
     survivor = results[0]
