@@ -65,11 +65,11 @@ def check_reference(device: torch.device, out: dict) -> None:
     from fixtures import TinyNet, batch, ds_config, make_optimizer, make_scheduler
     from reference import reference_run
 
-    def train(mode, extra=None, steps=4, gas=4):
+    def train(mode, extra=None, steps=4, gas=4, optimizer="adamw", schedule="inv", clip=0.05):
         model = TinyNet(seed=0)
-        opt = make_optimizer("adamw")(model)
-        sched = make_scheduler("inv")(opt)
-        cfg = ds_config(gas, {"enabled": True, "mode": mode}, clip=0.05, **(extra or {}))
+        opt = make_optimizer(optimizer)(model)
+        sched = make_scheduler(schedule)(opt) if schedule else None
+        cfg = ds_config(gas, {"enabled": True, "mode": mode}, clip=clip, **(extra or {}))
         engine, *_ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
         dtype = next(engine.module.parameters()).dtype
         for i in range(gas * steps):
@@ -82,9 +82,10 @@ def check_reference(device: torch.device, out: dict) -> None:
         engine.destroy()
         return final
 
-    def ref(mode, steps=4, gas=4):
+    def ref(mode, steps=4, gas=4, optimizer="adamw", schedule="inv", clip=0.05):
         return reference_run(TinyNet(seed=0), batch, world=1, gas=gas, steps=steps, mode=mode,
-                             make_optimizer=make_optimizer("adamw"), make_scheduler=make_scheduler("inv"), clip=0.05)
+                             make_optimizer=make_optimizer(optimizer), make_scheduler=make_scheduler(schedule),
+                             clip=clip)
 
     def rel(a, b):
         num = sum(((a[n] - b[n].double()) ** 2).sum() for n in b)
@@ -92,11 +93,13 @@ def check_reference(device: torch.device, out: dict) -> None:
 
     errors = {mode: rel(train(mode), ref(mode)) for mode in ("acco", "dpu")}
     _say(out, "reference_rel_error_fp32", errors)
-    bf16 = train("acco", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
-    distances = {mode: rel(bf16, ref(mode)) for mode in ("acco", "dpu", "stock")}
+    # tests/test_mixed_precision.py's problem: lr 0.05 puts the schedules far apart against bf16 noise
+    fast = {"steps": 6, "optimizer": "adamw-fast", "schedule": None, "clip": 0.0}
+    bf16 = train("acco", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, **fast)
+    distances = {mode: rel(bf16, ref(mode, **fast)) for mode in ("acco", "dpu", "sync")}  # sync: stock ZeRO-1
     _say(out, "bf16_distance_to_references", distances)
     out["reference_ok"] = all(e < 1e-5 for e in errors.values()) and distances["acco"] < 0.5 * min(
-        distances["dpu"], distances["stock"])
+        distances["dpu"], distances["sync"])
 
 
 # -- 2. timing and memory ------------------------------------------------------------------------

@@ -10,4 +10,9 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[test,mpi]'
 export DS_ACCELERATOR=cpu
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
+# Build DeepSpeed's CPU ops once, before pytest and outside every test's time limit, after
+# removing build locks left by killed compiles (see tests/prebuild.py).
+python tests/prebuild.py
+export ACCO_TEST_OPS_BUILT=1
+# Test time limits: ACCO_TEST_TIMEOUT_SCALE (tests/timeouts.py; default 3x an idle machine's budget).
 exec python -m pytest -q "$@"

@@ -6,9 +6,12 @@ import multiprocessing as mp
 import os
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
+
+from timeouts import scaled
 
 
 def free_port() -> int:
@@ -33,11 +36,15 @@ def _entry(rank, world, port, fn, kwargs, out):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int = 2, timeout: float = 300.0, allow_missing: bool = False, **kwargs):
+def run_ranks(fn, world: int = 2, timeout: float = None, allow_missing: bool = False, **kwargs):
     """Run ``fn(**kwargs)`` on ``world`` ranks; return the list of their return values.
+
+    ``timeout``: seconds, already scaled (pass ``scaled(idle_budget)``); default ``scaled(100)``.
 
     With ``allow_missing`` a rank that died without a result gives None instead of an error.
     """
+    if timeout is None:
+        timeout = scaled(100)
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,8 +52,14 @@ def run_ranks(fn, world: int = 2, timeout: float = 300.0, allow_missing: bool = 
         procs = [ctx.Process(target=_entry, args=(r, world, port, fn, kwargs, outs[r])) for r in range(world)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        # One deadline for all ranks. Once a rank has failed, the others get a grace period only:
+        # they would otherwise wait in a collective until the deadline (unless dead ranks are
+        # expected: allow_missing).
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if not allow_missing and any(p.exitcode not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + scaled(20))
+            time.sleep(0.05)
         hung = [p for p in procs if p.is_alive()]
         for p in hung:
             p.kill()
@@ -63,7 +76,9 @@ def run_ranks(fn, world: int = 2, timeout: float = 300.0, allow_missing: bool = 
                 if allow_missing:
                     results.append(None)
                     continue
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{', timed out' if procs[r] in hung else ''})")
+                why = f", killed at the time limit ({timeout:.0f} s; ACCO_TEST_TIMEOUT_SCALE scales it) or after a peer failed" \
+                    if procs[r] in hung else ""
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{why})")
                 continue
             data = torch.load(out, weights_only=False)
             if "error" in data:

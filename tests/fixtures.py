@@ -22,6 +22,24 @@ class TinyNet(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
 
 
+class WideNet(torch.nn.Module):
+    """TinyNet's data, 2.1M parameters (8.4 MB in fp32): a leak of one model-sized buffer shows in RSS."""
+
+    def __init__(self, seed: int = 0, width: int = 1024):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1 = torch.nn.Linear(IN, width)
+        self.mid = torch.nn.Linear(width, 2 * width)
+        self.fc2 = torch.nn.Linear(2 * width, OUT)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.mid(torch.tanh(self.fc1(x))))
+        return torch.nn.functional.mse_loss(self.fc2(h), y)
+
+
 class TokenNet(TinyNet):
     """TinyNet whose loss is a *sum* over the valid rows ("tokens") of a padded micro-batch, so
     per-token weighting (weight = number of valid rows) gives the exact per-token mean."""
@@ -60,6 +78,13 @@ def make_optimizer(name: str):
             return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9, weight_decay=0.01)
         if name == "adamw":
             return torch.optim.AdamW(param_groups(model), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
+        if name == "adamw-fast":
+            # For precision tests: lr 0.05 puts the schedules (acco, dpu, stock) far apart relative to
+            # bf16 noise; eps 1e-3 keeps Adam's first steps from being sign-like on tiny gradients
+            # (with eps 1e-8, bf16 gradient noise moves ACCO's θ_T 5x more than stock's or DPU's: its
+            # estimate steps from S_t amplify it; seen in a float64 reference with bf16-rounded
+            # gradients, no ds_acco involved).
+            return torch.optim.AdamW(param_groups(model), lr=0.05, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1)
         if name == "adamw1":  # one group, as DeepSpeed's config-built AdamW makes it
             return torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
         if name == "adam":

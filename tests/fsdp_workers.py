@@ -37,9 +37,16 @@ def live_snapshot(model):
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
+def master_snapshot(model):
+    """The committed fp32 master θ, gathered from FSDP's sharded parameters (a collective)."""
+    return {n: p.full_tensor().detach().float().clone() for n, p in model.acco_test_masters.items()}
+
+
 def build(case):
     from ds_acco.fsdp import AccoFSDP
     model = sharded_tiny(case.get("mp", False))
+    # FSDP's sharded fp32 parameters (the ones the optimizer steps): the committed master θ
+    model.acco_test_masters = dict(model.named_parameters())
     opt = make_optimizer(case["optimizer"])(model)
     sched = make_scheduler(case.get("schedule"))
     cfg = ds_config(case.get("gas", 4), case["acco"], clip=case.get("clip", 0.0), **case.get("extra", {}))
@@ -74,7 +81,8 @@ def run(case):
         losses = feed(model, acco, 0, case.get("gas", 4) * case["steps"], sleep=sleep)
     with ds_acco.committed_weights(acco):
         final = live_snapshot(model)
-    out = {"final": final, "losses": losses, "global_steps": acco.global_steps,
+        final_fp32 = master_snapshot(model)
+    out = {"final": final, "final_fp32": final_fp32, "losses": losses, "global_steps": acco.global_steps,
            "phases": [p.tally.micro_batches for p in acco.schedule.history],
            "metrics": acco.acco_metrics_history, "boundary_type": type(acco.is_gradient_accumulation_boundary()).__name__}
     acco.close()
@@ -124,8 +132,9 @@ def fp16_run(case):
     feed(model, acco, 0, gas * case["steps"], on_micro_batch=note)
     with ds_acco.committed_weights(acco):
         final = live_snapshot(model)
+        final_fp32 = master_snapshot(model)
     note(None)
-    out = {"final": final, "skipped_steps": acco.skipped_steps, "global_steps": acco.global_steps,
+    out = {"final": final, "final_fp32": final_fp32, "skipped_steps": acco.skipped_steps, "global_steps": acco.global_steps,
            "loss_scales": scales, "rounds": sorted(rounds.items()), "metrics": acco.acco_metrics_history,
            "param_dtype": str(next(iter(model.parameters())).dtype)}
     acco.close()

@@ -1,54 +1,216 @@
-"""Rank functions for tests/test_lifecycle.py: many ACCO engines in one process, none destroyed."""
+"""Checkpoint, fault, SIGTERM and soak runs inside spawned ranks (split from workers.py, which
+holds the training runs)."""
 from __future__ import annotations
 
-import gc
-
-import torch.distributed as dist
-
 import ds_acco
-from fixtures import TinyNet, batch, ds_config, make_optimizer
+from fixtures import TinyNet, WideNet, batch, ds_config, make_optimizer, make_scheduler
+from workers import snapshot
 
 
-def _one_engine(rank: int, micro_batches: int, mode: str, sigterm: str = "off"):
-    model = TinyNet(seed=0)
-    opt = make_optimizer("adamw")(model)
-    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt,
-                                         config=ds_config(4, {"enabled": True, "mode": mode, "sigterm": sigterm}))
-    for i in range(micro_batches):
-        x, y = batch(rank, i)
-        engine.backward(engine(x, y))
-        engine.step()  # leaves a round in flight (6 micro-batches: the first commit)
+def _engine_for(case, use_ds_acco=True):
+    import deepspeed
+    model = WideNet(seed=0) if case.get("model") == "wide" else TinyNet(seed=0)
+    cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0), **case.get("extra", {}))
+    opt = make_optimizer(case["optimizer"])(model)
+    sched = make_scheduler(case.get("schedule"))
+    init = ds_acco.initialize if use_ds_acco else deepspeed.initialize
+    if case.get("fp16_on_cpu"):
+        # DeepSpeed refuses fp16 where oneDNN lacks fp16 kernels; torch's CPU fp16 kernels run
+        # this tiny model, so the real fp16 path (loss scaler, fp16 weights) can be exercised.
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().is_fp16_supported = lambda: True
+    engine, *_ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
+    return engine
+
+
+def _feed(engine, rank, start, stop, on_micro_batch=None):
+    losses = []
+    dtype = next(engine.module.parameters()).dtype
+    for i in range(start, stop):
+        loss = engine(*(t.to(dtype) for t in batch(rank, i)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if on_micro_batch is not None:
+            on_micro_batch(i)
+    return losses
+
+
+def checkpoint_save_run(case, save_dir, save_at, total):
+    """Train ``total`` micro-batches, saving a checkpoint (tag 'mb<i>') after each micro-batch in ``save_at``."""
+    rank = int(__import__("os").environ["RANK"])
+    engine = _engine_for(case)
+
+    def maybe_save(i):
+        if i in save_at:
+            engine.save_checkpoint(save_dir, tag=f"mb{i}")
+    losses = _feed(engine, rank, 0, total, maybe_save)
     with ds_acco.committed_weights(engine):
-        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    return engine, weights, engine.global_steps
+        final = snapshot(engine.module)
+    steps = engine.global_steps
+    scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
+    engine.destroy()
+    return {"losses": losses, "final": final, "global_steps": steps, "loss_scale": scale}
 
 
-def undestroyed_engines(engines: int = 10, repeats: int = 3, micro_batches: int = 6, mode: str = "acco"):
-    """Build ``engines`` ACCO engines one after another, never destroyed, ``repeats`` times; each
-    one trains ``micro_batches`` micro-batches. Rank 1 collects garbage at other moments than rank
-    0 (so an engine's finalisation runs at a different point on each rank). Returns every
-    engine's (committed weights, global_steps), the number of live 'acco-comm' threads and of
-    process groups left beyond those that existed before the first engine."""
+def checkpoint_resume_runs(case, save_dir, save_at, total, use_ds_acco=True):
+    """For each tag: a new engine loads it and trains on to ``total``."""
+    rank = int(__import__("os").environ["RANK"])
+    out = {}
+    for i in save_at:
+        engine = _engine_for(case, use_ds_acco)
+        path, _ = engine.load_checkpoint(save_dir, tag=f"mb{i}")
+        assert path is not None
+        loaded_steps = engine.global_steps
+        with ds_acco.committed_weights(engine):
+            loaded = snapshot(engine.module)
+        losses = _feed(engine, rank, i + 1, total)
+        with ds_acco.committed_weights(engine):
+            final = snapshot(engine.module)
+        out[i] = {"losses": losses, "final": final, "global_steps": engine.global_steps,
+                  "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
+                  "loaded_steps": loaded_steps, "loaded": loaded, "optimizer": type(engine.optimizer).__name__}
+        engine.destroy()
+    return out
+
+
+def checkpoint_killed_save(case, save_dir, kill_point):
+    """Save tag 'good', train on, then die (exit code 3) during the save of tag 'bad'."""
+    import os
+    import ds_acco.core.publish as ckpt
+    rank = int(__import__("os").environ["RANK"])
+    engine = _engine_for(case)
+    _feed(engine, rank, 0, 5)
+    engine.save_checkpoint(save_dir, tag="good")
+    _feed(engine, rank, 5, 9)
+    if kill_point == "before_publish":
+        ckpt.publish = lambda *a, **k: os._exit(3)
+    else:  # in the middle of DeepSpeed writing the files
+        import torch as _torch
+        real_save, calls = _torch.save, []
+
+        def dying_save(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(3)
+            return real_save(*a, **k)
+        _torch.save = dying_save
+    engine.save_checkpoint(save_dir, tag="bad")
+    return "not killed"
+
+
+def checkpoint_load_latest(case, save_dir):
+    engine = _engine_for(case)
+    path, _ = engine.load_checkpoint(save_dir)
+    with ds_acco.committed_weights(engine):
+        theta = snapshot(engine.module)
+    out = {"path": path, "global_steps": engine.global_steps, "theta": theta}
+    engine.destroy()
+    return out
+
+
+def mismatched_init(per_rank_acco):
+    """Each rank gets its own acco block; return the error text (or 'NO ERROR')."""
+    import os
+    rank = int(os.environ["RANK"])
+    model = TinyNet()
+    try:
+        engine, *_ = ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model),
+                                        config=ds_config(4, per_rank_acco[rank]))
+        engine.destroy()
+        return "NO ERROR"
+    except ValueError as exc:
+        return str(exc)
+
+
+def rank_dies(case, die_rank, die_at):
+    """``die_rank`` exits abruptly after micro-batch ``die_at``; the others report how they ended."""
+    import os
+    import time
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    t0 = None
+    try:
+        for i in range(10**6):
+            if rank == die_rank and i == die_at:
+                os._exit(7)
+            if i == die_at:
+                t0 = time.monotonic()
+            _feed(engine, rank, i, i + 1)
+        return {"error": None}
+    except Exception as exc:  # the survivor's view
+        return {"error": f"{type(exc).__name__}: {exc}",
+                "seconds_after_death": time.monotonic() - t0 if t0 else None}
+
+
+def soak(case, micro_batches, sample_every):
+    """Train many micro-batches; sample memory, threads and outstanding work as it goes."""
+    import os
     import threading
-    rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
-    from torch.distributed.distributed_c10d import _world
-    results, kept, groups_before = [], [], None
-    for r in range(repeats):
-        for k in range(engines):
-            # the third round installs ACCO's SIGTERM handler: the chained handlers must not keep
-            # the engines alive
-            engine, weights, steps = _one_engine(rank, micro_batches, mode, "stop" if r == 2 else "off")
-            if groups_before is None:
-                groups_before = len(_world.pg_map) - 1  # before the first engine's own group
-            results.append((weights, steps))
-            if rank == 1 and k % 2 == 0:
-                gc.collect()  # finalises the previous, unreferenced engines on rank 1 only
-            if r == 1:
-                kept.append(engine)  # the second round: engines stay referenced until the end
-            del engine
-        if rank == 0:
-            gc.collect()
-    del kept
-    gc.collect()
-    lanes = sum(1 for t in threading.enumerate() if t.name == "acco-comm")
-    return {"results": results, "lanes_left": lanes, "groups_left": len(_world.pg_map) - groups_before}
+
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    schedule = engine.optimizer.schedule
+    page = os.sysconf("SC_PAGE_SIZE")
+    samples = []
+
+    def sample(i):
+        if i % sample_every == 0 or i == micro_batches - 1:
+            # the round in flight allocates shard-sized temporaries on the lane: let it finish so
+            # RSS shows only what stays (changes timing only; the schedule is the same)
+            schedule.drain()
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * page
+            lane_pool = schedule.lane._pool
+            samples.append({
+                "micro_batch": i,
+                "rss_mb": rss / 2**20,
+                "threads": threading.active_count(),
+                "os_threads": len(os.listdir("/proc/self/task")),
+                "inflight": int(schedule._inflight is not None),
+                "lane_queue": lane_pool._work_queue.qsize() if lane_pool is not None else 0,
+                "history": len(schedule.history),
+                "metrics_records": len(engine.optimizer.driver.metrics.records),
+                "rounds_submitted": schedule.lane.rounds_submitted,
+            })
+    _feed(engine, rank, 0, micro_batches, sample)
+    engine.destroy()
+    return samples
+
+
+def sigterm_run(case, signal_rank, signal_at, total):
+    """``signal_rank`` gets SIGTERM after micro-batch ``signal_at``; report where each rank stopped."""
+    import os
+    import signal
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    done = 0
+    try:
+        for i in range(total):
+            _feed(engine, rank, i, i + 1)
+            done = i + 1
+            if rank == signal_rank and i == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return {"stopped": False, "done": done}
+    except SystemExit as exc:
+        return {"stopped": True, "code": exc.code, "done": done, "global_steps": engine.global_steps}
+
+
+def universal_resume(case, load_dir, total, start):
+    """Load a universal checkpoint (any world size) into an ACCO engine and train on."""
+    import os
+    rank = int(os.environ["RANK"])
+    case = dict(case, extra={"checkpoint": {"load_universal": True}})
+    model = TinyNet(seed=1)  # different init: everything must come from the checkpoint
+    cfg = ds_config(case.get("gas", 4), case.get("acco"), **case["extra"])
+    opt = make_optimizer(case["optimizer"])(model)
+    engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
+    path, _ = engine.load_checkpoint(load_dir)
+    with ds_acco.committed_weights(engine):
+        loaded = snapshot(engine.module)
+    steps = engine.global_steps
+    losses = _feed(engine, rank, start, total)
+    out = {"path": path, "loaded": loaded, "loaded_steps": steps, "losses": losses,
+           "optimizer": type(engine.optimizer).__name__}
+    engine.destroy()
+    return out

@@ -64,20 +64,29 @@ class _Trainer:
 def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, world: int, gas: int, steps: int,
                   mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
                   clip: float = 0.0, estimate_log: Optional[List] = None,
-                  skip_estimate=(), skip_commit=()) -> Dict[str, torch.Tensor]:
+                  skip_estimate=(), skip_commit=(), stock_steps_first: int = 0) -> Dict[str, torch.Tensor]:
     """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank.
 
     ``skip_estimate`` / ``skip_commit``: steps whose round had a non-finite gradient: the
     estimate falls back to θ_t; the commit leaves θ, S and the LR schedule unchanged.
+    ``stock_steps_first``: first that many stock (synchronous) steps on the first micro-batches,
+    then ``steps`` steps of ``mode`` from there (a fresh bootstrap at those θ, S and LR schedule)
+    on the micro-batches that follow: a stock ZeRO-1 checkpoint resumed under ``mode``.
     """
     tr = _Trainer(model, make_optimizer, make_scheduler, clip)
+    first = gas * stock_steps_first  # micro-batch index where ``mode`` starts
 
     def mb(t, lo, hi):  # micro-batches lo..hi-1 of step t, all ranks
-        return [batch(r, gas * t + i) for r in range(world) for i in range(lo, hi)]
+        return [batch(r, first + gas * t + i) for r in range(world) for i in range(lo, hi)]
 
-    if mode == "sync":
+    for t in range(stock_steps_first):
+        tr.commit(_mean_grad(tr.model, tr.params(), [batch(r, gas * t + i) for r in range(world) for i in range(gas)]))
+
+    if mode == "sync":  # stock ZeRO-1: one step per ``gas`` micro-batches, at the current θ, no delay
         for t in range(steps):
-            tr.commit(_mean_grad(tr.model, tr.params(), mb(t, 0, gas)))
+            grads = _mean_grad(tr.model, tr.params(), mb(t, 0, gas))
+            if t not in skip_commit:
+                tr.commit(grads)
         return tr.params()
     if mode == "acco":
         h = gas // 2
@@ -101,6 +110,49 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
             history.append(tr.params())
         return tr.params()
     raise ValueError(mode)
+
+
+# The schedules a run could have followed: its own mode must be clearly the nearest. 'acco-no-estimate'
+# is ACCO with θ̃_{t+1} = θ_t (the estimate dropped): the first halves computed at the committed θ.
+REFERENCE_MODES = ("acco", "acco-no-estimate", "dpu", "sync")
+
+
+def rel_distance(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> float:
+    """‖got − want‖ / ‖want‖ over all parameters, in float64."""
+    num = sum(float(((got[n].double() - want[n].double()) ** 2).sum()) for n in want)
+    den = sum(float((want[n].double() ** 2).sum()) for n in want)
+    return (num / den) ** 0.5
+
+
+def mode_references(model, batch, *, steps: int, skip_estimate=(), skip_commit=(), **kwargs):
+    """θ_T of every schedule in REFERENCE_MODES on the same data (kwargs as for reference_run)."""
+    out = {}
+    for mode in REFERENCE_MODES:
+        if mode == "acco-no-estimate":
+            out[mode] = reference_run(model, batch, steps=steps, mode="acco", skip_estimate=range(steps),
+                                      skip_commit=skip_commit, **kwargs)
+        else:
+            out[mode] = reference_run(model, batch, steps=steps, mode=mode, skip_commit=skip_commit,
+                                      skip_estimate=skip_estimate if mode == "acco" else (), **kwargs)
+    return out
+
+
+def nearest_own_reference(final: Dict[str, torch.Tensor], refs: Dict[str, Dict[str, torch.Tensor]], own: str,
+                          margin: float = 0.5, label: str = "") -> Dict[str, float]:
+    """Distances of ``final`` to every reference; asserts the one of mode ``own`` is below
+    ``margin`` times the nearest other one (a run that lost its mode's distinguishing feature,
+    e.g. the estimate, lands nearer another schedule or in between). Prints the distances."""
+    dist = {mode: rel_distance(final, ref) for mode, ref in refs.items()}
+    others = {m: d for m, d in dist.items() if m != own}
+    nearest = min(others, key=others.get)
+    print(f"{label}: relative distance to the float64 references: "
+          + ", ".join(f"{m} {d:.2e}" for m, d in dist.items())
+          + f" (own/nearest other = {dist[own] / others[nearest]:.2f})")
+    assert dist[own] < margin * others[nearest], (
+        f"{label}: distance to its own ({own}) reference {dist[own]:.2e} is not below {margin} x the distance to "
+        f"the nearest other schedule ({nearest}: {others[nearest]:.2e}); all: "
+        + ", ".join(f"{m} {d:.2e}" for m, d in dist.items()))
+    return dist
 
 
 def _grad_sum(model, params, batches, weight):

@@ -33,7 +33,21 @@ def train(case: dict, use_ds_acco: bool = True):
         engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
     if case.get("sim_scaler"):
         install_dynamic_scaler(engine, case["sim_scaler"])
-    lane_log = install_gated_lane(engine) if case.get("gated") else None
+    lane_log = install_gated_lane(engine, case["gated"]) if case.get("gated") else None
+    if lane_log is not None:
+        try:
+            return _train_loop(engine, case, rank, lane_log)
+        except Exception as exc:  # a gate timed out: report it (and the log) instead of erroring the spawn
+            lane_log.release_all()
+            try:
+                engine.destroy()
+            except Exception:
+                pass
+            return {"lane_error": f"{type(exc).__name__}: {exc}", "lane_log": lane_log.events}
+    return _train_loop(engine, case, rank, None)
+
+
+def _train_loop(engine, case, rank, lane_log):
     loss_scales, rounds = [], {}
     losses, boundaries, lrs = [], [], []
     probes = {}
@@ -44,8 +58,15 @@ def train(case: dict, use_ds_acco: bool = True):
             x = x.clone()
             x[0, 0] = float("nan")  # a non-finite gradient on one rank
         dtype = next(engine.module.parameters()).dtype
+        if lane_log is not None:
+            lane_log.before_micro_batch(i)
         loss = engine(x.to(dtype), y.to(dtype))
         engine.backward(loss)
+        if [rank, i] in [list(p) for p in case.get("inf_grad_at", ())]:
+            # an infinite (not NaN) gradient entry on one rank: written into the accumulated gradient
+            # (p.grad is a view of ACCO's accumulator), so the round's global norm is +inf, not NaN
+            with torch.no_grad():
+                next(engine.module.parameters()).grad.view(-1)[0] = float("inf")
         boundaries.append(engine.is_gradient_accumulation_boundary())
         engine.step()
         if i in case.get("override_at", {}):  # a loss scale set from outside, mid-phase
@@ -61,20 +82,30 @@ def train(case: dict, use_ds_acco: bool = True):
         if i in case.get("probe_at", ()):
             with ds_acco.committed_weights(engine):
                 probes[i] = (engine.global_steps, snapshot(engine.module))
+    if lane_log is not None:
+        lane_log.end_of_data()
     with ds_acco.committed_weights(engine):
         final = snapshot(engine.module)
         steps = engine.global_steps
+        final_fp32 = master_weights(engine) if next(engine.module.parameters()).dtype != torch.float32 else final
     if hasattr(engine.optimizer, "schedule"):
         for r in engine.optimizer.schedule.recent_rounds:
             rounds[(r.kind.value, r.step)] = r.skipped
     if lane_log is not None:
         lane_log.release_all()
-    out = {"param_dtype": str(next(engine.module.parameters()).dtype), "skipped_steps": engine.skipped_steps, "losses": losses, "lane_log": lane_log.events if lane_log else None,
-           "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
+    out = {"lane_error": None, "param_dtype": str(next(engine.module.parameters()).dtype), "skipped_steps": engine.skipped_steps, "losses": losses, "lane_log": lane_log.events if lane_log else None,
+           "memory": memory_facts(engine) if hasattr(engine.optimizer, "schedule") else None, "final": final, "final_fp32": final_fp32, "global_steps": steps, "boundaries": boundaries, "lrs": lrs,
            "probes": probes, "optimizer": type(engine.optimizer).__name__, "loss_scales": loss_scales,
            "rounds": sorted(rounds.items()), "metrics": [dict(m) for m in getattr(engine, "acco_metrics_history", [])]}
     engine.destroy()
     return out
+
+
+def master_weights(engine):
+    """The committed fp32 master θ (full, gathered from the ZeRO shards; a collective: every rank
+    calls it). With bf16/fp16 weights this is θ_T itself; the module holds its rounding."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def install_dynamic_scaler(engine, args: dict) -> None:
@@ -101,53 +132,82 @@ DS_OPTIMIZERS = {
 
 
 class GatedLog:
-    """Opens each round's gate only after the compute lane has finished micro-batches while the
-    round was in flight; logs who did what, in order. A compute lane that blocked on the round
-    would never open the gate, and the round would fail on its gate timeout."""
+    """Gates every communication round until the compute lane has computed a whole micro-batch
+    that *started after the round was submitted*, and logs who did what, in order.
 
-    def __init__(self):
+    Events: ("mb start", i) before the forward of micro-batch i, ("mb end", i) after its
+    step(); ("round submit", k), ("round start", k) (on the lane, before the gate),
+    ("gate open", k, i) (opened by micro-batch i), ("round end", k). The micro-batch whose
+    backward/step submitted a round does not count (it started before the submit). A compute
+    lane that blocked on the round in flight (in backward, step or the forward) never finishes
+    such a micro-batch, the gate never opens, and the round fails on its gate timeout (short and
+    scaled: the test fails in seconds with that message instead of hanging). Rounds submitted
+    after the last micro-batch started are opened by :meth:`end_of_data` (nothing could overlap
+    them) and reported as such."""
+
+    def __init__(self, gate_timeout_s: float):
         import threading
         self.lock = threading.Lock()
         self.events = []
-        self.gates = []
+        self.gates = []  # (k, threading.Event, position of its submit in events)
+        self.gate_timeout_s = gate_timeout_s
 
     def log(self, *event):
         with self.lock:
             self.events.append(event)
+            return len(self.events) - 1
+
+    def before_micro_batch(self, i):
+        self.log("mb start", i)
 
     def after_micro_batch(self, i):
-        self.log("mb", i)
         with self.lock:
-            waiting = [g for g in self.gates if not g[1].is_set()]
-        for k, gate, seen in waiting:
-            seen.append(i)
-            if len(seen) >= 1:
-                self.log("open", k)
-                gate.set()
+            self.events.append(("mb end", i))
+            started = self.events.index(("mb start", i))
+            for k, gate, submitted_at in self.gates:
+                if not gate.is_set() and started > submitted_at:
+                    self.events.append(("gate open", k, i))
+                    gate.set()
+
+    def end_of_data(self):
+        """No more micro-batches: open the gates still closed (the final drain needs them)."""
+        with self.lock:
+            for k, gate, _ in self.gates:
+                if not gate.is_set():
+                    self.events.append(("gate open", k, "end of data"))
+                    gate.set()
 
     def release_all(self):
         for _, gate, _ in self.gates:
             gate.set()
 
 
-def install_gated_lane(engine):
+class GateTimeout(RuntimeError):
+    """A gated round's gate never opened (not a TimeoutError: the lane would report that as its own
+    comm_timeout_s, hiding this message)."""
+
+
+def install_gated_lane(engine, gate_timeout_s: float = 5.0):
     import threading
-    log = GatedLog()
+    log = GatedLog(gate_timeout_s)
     lane = engine.optimizer.schedule.lane
     inner_submit = lane.submit
 
     def submit(name, fn):
         gate = threading.Event()
-        k = len(log.gates)
-        log.gates.append((k, gate, []))
-        log.log("submit", k)
+        with log.lock:
+            k = len(log.gates)
+            log.events.append(("round submit", k))
+            log.gates.append((k, gate, len(log.events) - 1))
 
         def gated():
-            log.log("start", k)
-            if not gate.wait(60):
-                raise TimeoutError(f"round {k}: the compute lane never ran a micro-batch while it was in flight")
+            log.log("round start", k)
+            if not gate.wait(log.gate_timeout_s):
+                raise GateTimeout(
+                    f"gated lane: round {k} ('{name}') waited {log.gate_timeout_s:.0f} s and no micro-batch that started "
+                    "after its submit finished: the compute lane is blocked on the round in flight (no overlap)")
             out = fn()
-            log.log("end", k)
+            log.log("round end", k)
             return out
         return inner_submit(name, gated)
 
@@ -266,209 +326,3 @@ def train_until(case: dict):
 
 def train_until_cases(cases):
     return [train_until(c) for c in cases]
-
-
-def _engine_for(case, use_ds_acco=True):
-    import deepspeed
-    model = TinyNet(seed=0)
-    cfg = ds_config(case.get("gas", 4), case.get("acco"), clip=case.get("clip", 0.0), **case.get("extra", {}))
-    opt = make_optimizer(case["optimizer"])(model)
-    sched = make_scheduler(case.get("schedule"))
-    init = ds_acco.initialize if use_ds_acco else deepspeed.initialize
-    if case.get("fp16_on_cpu"):
-        # DeepSpeed refuses fp16 where oneDNN lacks fp16 kernels; torch's CPU fp16 kernels run
-        # this tiny model, so the real fp16 path (loss scaler, fp16 weights) can be exercised.
-        from deepspeed.accelerator import get_accelerator
-        get_accelerator().is_fp16_supported = lambda: True
-    engine, *_ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
-    return engine
-
-
-def _feed(engine, rank, start, stop, on_micro_batch=None):
-    losses = []
-    dtype = next(engine.module.parameters()).dtype
-    for i in range(start, stop):
-        loss = engine(*(t.to(dtype) for t in batch(rank, i)))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        if on_micro_batch is not None:
-            on_micro_batch(i)
-    return losses
-
-
-def checkpoint_save_run(case, save_dir, save_at, total):
-    """Train ``total`` micro-batches, saving a checkpoint (tag 'mb<i>') after each micro-batch in ``save_at``."""
-    rank = int(__import__("os").environ["RANK"])
-    engine = _engine_for(case)
-
-    def maybe_save(i):
-        if i in save_at:
-            engine.save_checkpoint(save_dir, tag=f"mb{i}")
-    losses = _feed(engine, rank, 0, total, maybe_save)
-    with ds_acco.committed_weights(engine):
-        final = snapshot(engine.module)
-    steps = engine.global_steps
-    scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
-    engine.destroy()
-    return {"losses": losses, "final": final, "global_steps": steps, "loss_scale": scale}
-
-
-def checkpoint_resume_runs(case, save_dir, save_at, total, use_ds_acco=True):
-    """For each tag: a new engine loads it and trains on to ``total``."""
-    rank = int(__import__("os").environ["RANK"])
-    out = {}
-    for i in save_at:
-        engine = _engine_for(case, use_ds_acco)
-        path, _ = engine.load_checkpoint(save_dir, tag=f"mb{i}")
-        assert path is not None
-        loaded_steps = engine.global_steps
-        with ds_acco.committed_weights(engine):
-            loaded = snapshot(engine.module)
-        losses = _feed(engine, rank, i + 1, total)
-        with ds_acco.committed_weights(engine):
-            final = snapshot(engine.module)
-        out[i] = {"losses": losses, "final": final, "global_steps": engine.global_steps,
-                  "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
-                  "loaded_steps": loaded_steps, "loaded": loaded, "optimizer": type(engine.optimizer).__name__}
-        engine.destroy()
-    return out
-
-
-def checkpoint_killed_save(case, save_dir, kill_point):
-    """Save tag 'good', train on, then die (exit code 3) during the save of tag 'bad'."""
-    import os
-    import ds_acco.core.publish as ckpt
-    rank = int(__import__("os").environ["RANK"])
-    engine = _engine_for(case)
-    _feed(engine, rank, 0, 5)
-    engine.save_checkpoint(save_dir, tag="good")
-    _feed(engine, rank, 5, 9)
-    if kill_point == "before_publish":
-        ckpt.publish = lambda *a, **k: os._exit(3)
-    else:  # in the middle of DeepSpeed writing the files
-        import torch as _torch
-        real_save, calls = _torch.save, []
-
-        def dying_save(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:
-                os._exit(3)
-            return real_save(*a, **k)
-        _torch.save = dying_save
-    engine.save_checkpoint(save_dir, tag="bad")
-    return "not killed"
-
-
-def checkpoint_load_latest(case, save_dir):
-    engine = _engine_for(case)
-    path, _ = engine.load_checkpoint(save_dir)
-    with ds_acco.committed_weights(engine):
-        theta = snapshot(engine.module)
-    out = {"path": path, "global_steps": engine.global_steps, "theta": theta}
-    engine.destroy()
-    return out
-
-
-def mismatched_init(per_rank_acco):
-    """Each rank gets its own acco block; return the error text (or 'NO ERROR')."""
-    import os
-    rank = int(os.environ["RANK"])
-    model = TinyNet()
-    try:
-        engine, *_ = ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model),
-                                        config=ds_config(4, per_rank_acco[rank]))
-        engine.destroy()
-        return "NO ERROR"
-    except ValueError as exc:
-        return str(exc)
-
-
-def rank_dies(case, die_rank, die_at):
-    """``die_rank`` exits abruptly after micro-batch ``die_at``; the others report how they ended."""
-    import os
-    import time
-    rank = int(os.environ["RANK"])
-    engine = _engine_for(case)
-    t0 = None
-    try:
-        for i in range(10**6):
-            if rank == die_rank and i == die_at:
-                os._exit(7)
-            if i == die_at:
-                t0 = time.monotonic()
-            _feed(engine, rank, i, i + 1)
-        return {"error": None}
-    except Exception as exc:  # the survivor's view
-        return {"error": f"{type(exc).__name__}: {exc}",
-                "seconds_after_death": time.monotonic() - t0 if t0 else None}
-
-
-def soak(case, micro_batches, sample_every):
-    """Train many micro-batches; sample memory, threads and outstanding work as it goes."""
-    import os
-    import threading
-
-    rank = int(os.environ["RANK"])
-    engine = _engine_for(case)
-    schedule = engine.optimizer.schedule
-    page = os.sysconf("SC_PAGE_SIZE")
-    samples = []
-
-    def sample(i):
-        if i % sample_every == 0 or i == micro_batches - 1:
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * page
-            lane_pool = schedule.lane._pool
-            samples.append({
-                "micro_batch": i,
-                "rss_mb": rss / 2**20,
-                "threads": threading.active_count(),
-                "os_threads": len(os.listdir("/proc/self/task")),
-                "inflight": int(schedule._inflight is not None),
-                "lane_queue": lane_pool._work_queue.qsize() if lane_pool is not None else 0,
-                "history": len(schedule.history),
-                "metrics_records": len(engine.optimizer.driver.metrics.records),
-                "rounds_submitted": schedule.lane.rounds_submitted,
-            })
-    _feed(engine, rank, 0, micro_batches, sample)
-    engine.destroy()
-    return samples
-
-
-def sigterm_run(case, signal_rank, signal_at, total):
-    """``signal_rank`` gets SIGTERM after micro-batch ``signal_at``; report where each rank stopped."""
-    import os
-    import signal
-    rank = int(os.environ["RANK"])
-    engine = _engine_for(case)
-    done = 0
-    try:
-        for i in range(total):
-            _feed(engine, rank, i, i + 1)
-            done = i + 1
-            if rank == signal_rank and i == signal_at:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return {"stopped": False, "done": done}
-    except SystemExit as exc:
-        return {"stopped": True, "code": exc.code, "done": done, "global_steps": engine.global_steps}
-
-
-def universal_resume(case, load_dir, total, start):
-    """Load a universal checkpoint (any world size) into an ACCO engine and train on."""
-    import os
-    rank = int(os.environ["RANK"])
-    case = dict(case, extra={"checkpoint": {"load_universal": True}})
-    model = TinyNet(seed=1)  # different init: everything must come from the checkpoint
-    cfg = ds_config(case.get("gas", 4), case.get("acco"), **case["extra"])
-    opt = make_optimizer(case["optimizer"])(model)
-    engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
-    path, _ = engine.load_checkpoint(load_dir)
-    with ds_acco.committed_weights(engine):
-        loaded = snapshot(engine.module)
-    steps = engine.global_steps
-    losses = _feed(engine, rank, start, total)
-    out = {"path": path, "loaded": loaded, "loaded_steps": steps, "losses": losses,
-           "optimizer": type(engine.optimizer).__name__}
-    engine.destroy()
-    return out

@@ -27,14 +27,23 @@ grad scaling on the optimizer) is refused: the caller falls back to a snapshot.
 
 The computation runs in the parameter's dtype (fp32 for master shards, as the optimizers do);
 each chunk of the result is cast to the dtype of ``outs[i]`` as it is written.
+
+``commit_in_place(optimizer, params, grads, chunk_elems)`` is the same kernels run the other way
+round, for torch SGD/Adam/AdamW only (:func:`supports_commit`): the parameters and the state are
+updated in place exactly as one real ``optimizer.step()`` would (bit-identical, lazy state
+initialisation included), with one chunk-sized temporary instead of the shard-sized ones torch's
+step allocates (Adam's ``denom``, the weight-decayed or negated gradient). DeepSpeed's Adams keep
+their real step: the C++ object's running β^t cannot be advanced from Python.
 """
 from __future__ import annotations
 
 import sys
-import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
+
+from .functional_kernels import _Workspace, _adam, _copy_chunked, _flat, _local, _sgd
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
 """1 Mi elements: 4 MiB per fp32 buffer; a 7B model on 8 ranks has 875 M elements per shard (0.12 %)."""
@@ -67,10 +76,6 @@ def _kind(optimizer) -> Optional[str]:
     if cls is _deepspeed_class("deepspeed.ops.adam.fused_adam", "FusedAdam"):
         return "fused_adam"
     return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _is_float(x) -> bool:
@@ -114,7 +119,7 @@ def supports(optimizer) -> bool:
                     and all(_is_float(b) for b in g["betas"]) for g in optimizer.param_groups)
     if kind == "cpu_adam":
         return (groups_ok and getattr(optimizer, "fp32_optimizer_states", True)
-                and _plain_tensors(optimizer, (torch.float32,), "cpu") and _cpu_adam_simd_width() > 0)
+                and _plain_tensors(optimizer, (torch.float32,), "cpu") and _deepspeed_kernels()._cpu_adam_simd_width() > 0)
     return groups_ok and all(_plain_tensors(optimizer, (torch.float32,), d) for d in _FUSED_ADAM_DEVICES)
 
 
@@ -172,7 +177,8 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems) -> None:
             raise ValueError("an output must not overlap its parameter")
         items.append((p, pl, g, ol, group))
     ws = _Workspace(chunk_elems)
-    steps = _shared_steps(optimizer, kind, items)
+    ds = _deepspeed_kernels()
+    steps = ds._shared_steps(optimizer, kind, items)
     for idx, (p, pl, g, ol, group) in enumerate(items):
         if g is None:
             _copy_chunked(pl, ol, chunk_elems)
@@ -183,9 +189,123 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems) -> None:
         elif kind == "adam":
             _adam(pl, g, ol, group, state, ws)
         elif kind == "cpu_adam":
-            _cpu_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
+            ds._cpu_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
         else:
-            _fused_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
+            ds._fused_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
+
+
+def _step_overridden(optimizer) -> bool:
+    """Whether the instance's ``step`` is anything but its class's (an LR scheduler's wrapper of
+    the class's step, which only sets ``_opt_called``, is not an override)."""
+    step = optimizer.__dict__.get("step")
+    if step is None:
+        return False
+    return not (getattr(step, "_wrapped_by_lr_sched", False)
+                and getattr(step, "__wrapped__", None) is type(optimizer).step)
+
+
+def supports_commit(optimizer) -> bool:
+    """Whether :func:`commit_in_place` may replace ``optimizer.step()``: torch SGD/Adam/AdamW under
+    the conditions of :func:`supports`, no step pre/post hooks (global or the optimizer's: they
+    expect the real step), ``step`` not overridden on the instance, and every Adam ``step`` state
+    a tensor (as ``load_state_dict`` and ``_init_group`` make it)."""
+    kind = _kind(optimizer)
+    if kind not in ("sgd", "adam") or not supports(optimizer) or _step_overridden(optimizer):
+        return False
+    if (_torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks
+            or getattr(optimizer, "_optimizer_step_pre_hooks", None)
+            or getattr(optimizer, "_optimizer_step_post_hooks", None)):
+        return False
+    if kind == "adam":
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if step is not None and not (torch.is_tensor(step) and step.numel() == 1 and not step.requires_grad):
+                return False
+    return True
+
+
+def commit_in_place(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                    chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> None:
+    """θ, S ← Opt(θ, S, g) in place: what one ``optimizer.step()`` with ``p.grad = grads[i]`` (and
+    no gradient on any other parameter) does to the parameters and the optimizer state, bit for
+    bit, including torch's lazy state initialisation on a parameter's first step (the same
+    tensors: ``step`` a CPU scalar of torch's scalar dtype, moments ``zeros_like`` the parameter,
+    SGD's momentum buffer a copy of the first gradient). The temporaries are one chunk of
+    ``chunk_elems`` elements (SGD: up to two), whatever the size of the shard.
+
+    Of what ``Optimizer.step``'s wrappers do, ``_opt_called`` is set when an LR scheduler has
+    wrapped the step (so the scheduler does not warn about ``lr_scheduler.step()`` before
+    ``optimizer.step()``); the profiler label is skipped; with step hooks registered
+    :func:`supports_commit` is false and the caller must take the real step. Every tensor must be
+    contiguous; a gradient must not overlap its parameter or the state (it is read while they are
+    written).
+    """
+    kind = _kind(optimizer)
+    if not supports_commit(optimizer):
+        raise ValueError(f"no functional commit for {type(optimizer).__name__} with these settings; "
+                         "check supports_commit() first")
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+    if len(params) != len(grads):
+        raise ValueError("params and grads must have the same length")
+    grad_of = {id(p): g for p, g in zip(params, grads)}
+    owned = {id(p) for group in optimizer.param_groups for p in group[_GROUP_PARAMS]}
+    if not set(grad_of) <= owned:
+        raise ValueError("every parameter must belong to the optimizer")
+    ws = _Workspace(chunk_elems)
+    with torch.no_grad():
+        for group in optimizer.param_groups:  # step()'s order (state entries are created in it)
+            for p in group[_GROUP_PARAMS]:
+                g = grad_of.get(id(p))
+                if g is None:
+                    continue
+                pl, gl = _flat(_local(p), "parameter"), _flat(_local(g), "gradient")
+                if gl.numel() != pl.numel() or gl.dtype != pl.dtype:
+                    raise ValueError("a gradient must match its parameter's numel and dtype")
+                if kind == "sgd":
+                    state, fresh = _sgd_state(optimizer, p, g, group)
+                    _check_no_overlap(gl, pl, state)
+                    _sgd(pl, gl, pl, group, state, ws, commit=True, fresh=fresh)
+                else:
+                    state = _adam_state(optimizer, p, group)
+                    _check_no_overlap(gl, pl, state)
+                    _adam(pl, gl, pl, group, state, ws, commit=True)
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        optimizer._opt_called = True  # what the scheduler's wrapper of step() sets
+
+
+def _sgd_state(optimizer, p, g, group):
+    """SGD's state as its step leaves it: ``momentum_buffer`` (a clone of the first gradient: a new
+    tensor like it, filled by the kernel) when momentum is on; no entry at all otherwise."""
+    if group["momentum"] == 0:
+        return {}, False
+    state = optimizer.state[p]  # the step's defaultdict access creates the entry
+    if state.get("momentum_buffer") is not None:
+        return state, False
+    state["momentum_buffer"] = torch.empty_like(g, memory_format=torch.preserve_format)
+    return state, True
+
+
+def _adam_state(optimizer, p, group):
+    """Adam's ``_init_group`` for a parameter without state (not fused, not capturable)."""
+    state = optimizer.state[p]
+    if len(state) == 0:
+        state["step"] = torch.tensor(0.0, dtype=_torch_optimizer._get_scalar_dtype(), device="cpu")
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+    missing = [k for k in keys if k not in state]
+    if missing:  # the real step would raise a KeyError
+        raise KeyError(f"Adam state without {missing}")
+    return state
+
+
+def _check_no_overlap(g: torch.Tensor, p: torch.Tensor, state: dict) -> None:
+    for t in [p] + [_local(v) for v in state.values() if torch.is_tensor(v)]:
+        if _overlaps(g, t):
+            raise ValueError("a gradient must not overlap its parameter or the optimizer state")
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -195,316 +315,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError(f"the {what} must be contiguous (chunks are flat views)")
-    return t.detach().view(-1)
-
-
-def _copy_chunked(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> None:
-    for s in range(0, src.numel(), chunk):
-        n = min(chunk, src.numel() - s)
-        dst.narrow(0, s, n).copy_(src.narrow(0, s, n))
-
-
-class _Workspace:
-    """Chunk-sized scratch buffers, allocated on first use and reused for every chunk."""
-
-    def __init__(self, chunk: int):
-        self.chunk = chunk
-        self._bufs: Dict[Tuple, torch.Tensor] = {}
-
-    def get(self, slot: int, like: torch.Tensor, n: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        dtype = dtype or like.dtype
-        key = (slot, dtype, like.device)
-        buf = self._bufs.get(key)
-        if buf is None:
-            buf = self._bufs[key] = torch.empty(min(self.chunk, like.numel()), dtype=dtype, device=like.device)
-        elif buf.numel() < n:  # a larger parameter after a smaller one
-            buf = self._bufs[key] = torch.empty(self.chunk, dtype=dtype, device=like.device)
-        return buf.narrow(0, 0, n)
-
-
-def _chunks(n: int, chunk: int):
-    for s in range(0, n, chunk):
-        yield s, min(chunk, n - s)
-
-
-def _state_flat(state: dict, key: str) -> Optional[torch.Tensor]:
-    t = state.get(key)
-    return None if t is None else _flat(_local(t), f"state '{key}'")
-
-
-def _target(out: torch.Tensor, like: torch.Tensor, ws: _Workspace, slot: int, n: int) -> torch.Tensor:
-    """Where a chunk of the result is computed: the output itself when it has the working dtype."""
-    return out if out.dtype == like.dtype else ws.get(slot, like, n)
-
-
-# -- torch.optim.SGD: _single_tensor_sgd / _multi_tensor_sgd -----------------------------------
-def _sgd(p, g, out, group, state, ws):
-    lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-    dampening, nesterov, maximize = group["dampening"], group["nesterov"], group["maximize"]
-    buf_all = _state_flat(state, "momentum_buffer") if momentum != 0 else None
-    for s, n in _chunks(p.numel(), ws.chunk):
-        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
-        gb = ws.get(0, p, n)
-        grad = gc
-        if maximize:
-            grad = torch.neg(gc, out=gb)
-        if wd != 0:
-            grad = torch.add(grad, pc, alpha=wd, out=gb)
-        if momentum != 0:
-            if buf_all is None:
-                buf = grad  # first step: the buffer is a clone of the gradient
-            else:
-                buf = torch.mul(buf_all.narrow(0, s, n), momentum, out=ws.get(1, p, n))
-                buf.add_(grad, alpha=1 - dampening)
-            grad = torch.add(grad, buf, alpha=momentum, out=gb) if nesterov else buf
-        tgt = _target(oc, p, ws, 2, n)
-        torch.add(pc, grad, alpha=-lr, out=tgt)
-        if tgt is not oc:
-            oc.copy_(tgt)
-
-
-# -- torch.optim.Adam / AdamW: _single_tensor_adam / _multi_tensor_adam (not capturable) ----
-def _torch_step_value(state: dict) -> float:
-    step_t = state.get("step")
-    if step_t is None:
-        return 1.0
-    if torch.is_tensor(step_t):  # float32 on CPU; ``step_t += 1`` then ``.item()``
-        return (step_t.detach() + 1).item()
-    return float(step_t) + 1
-
-
-def _adam(p, g, out, group, state, ws):
-    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-    beta1, beta2 = group["betas"]
-    amsgrad, maximize = group["amsgrad"], group["maximize"]
-    decoupled = group.get("decoupled_weight_decay", False)
-    exp_avg, exp_avg_sq = _state_flat(state, "exp_avg"), _state_flat(state, "exp_avg_sq")
-    max_exp_avg_sq = _state_flat(state, "max_exp_avg_sq") if amsgrad else None
-    if (exp_avg is None) != (exp_avg_sq is None):
-        raise ValueError("inconsistent Adam state: exp_avg and exp_avg_sq must both exist or neither")
-    step = _torch_step_value(state)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2 ** 0.5
-    for s, n in _chunks(p.numel(), ws.chunk):
-        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
-        gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
-        tgt = _target(oc, p, ws, 3, n)
-        grad = gc
-        if maximize:
-            grad = torch.neg(gc, out=gb)
-        if wd != 0 and not decoupled:
-            grad = torch.add(grad, pc, alpha=wd, out=gb)
-        if exp_avg is None:  # lazy state init: zeros, then the same in-place updates
-            mb.zero_().lerp_(grad, 1 - beta1)
-            vb.zero_().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        else:
-            torch.lerp(exp_avg.narrow(0, s, n), grad, 1 - beta1, out=mb)
-            torch.mul(exp_avg_sq.narrow(0, s, n), beta2, out=vb).addcmul_(grad, grad, value=1 - beta2)
-        if amsgrad:
-            if max_exp_avg_sq is None:
-                torch.maximum(torch.zeros((), dtype=vb.dtype, device=vb.device), vb, out=vb)
-            else:
-                torch.maximum(max_exp_avg_sq.narrow(0, s, n), vb, out=vb)
-        # The gradient is no longer needed: from here on the output may be written (it may be
-        # the gradient's own memory), and gb is free.
-        base = torch.mul(pc, 1 - lr * wd, out=tgt) if wd != 0 and decoupled else pc
-        denom = torch.sqrt(vb, out=gb)
-        denom.div_(bias_correction2_sqrt).add_(eps)
-        torch.addcdiv(base, mb, denom, value=-step_size, out=tgt)
-        if tgt is not oc:
-            oc.copy_(tgt)
-
-
-# -- DeepSpeedCPUAdam: Adam_Optimizer::Step_AVX (csrc/includes/cpu_adam.h) --------------------
-def _f32(x) -> float:
-    """The float32 value of ``x``, as a Python float (exact in double)."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
-class _CpuAdamMirror:
-    """The C++ ``Adam_Optimizer``'s running powers β^t (``IncrementStep``), which a step uses
-    for the bias corrections and which Python cannot read: replayed here from the same calls.
-
-    It starts as the C++ object does (step 0, β^t = 1, the constructor's betas), and after each
-    estimate it stands where the commit's identical calls will leave the C++ object. If the
-    optimizer stepped before the first estimate in this process (without a reload), its β^t
-    came from repeated float products where the mirror takes ``pow``: a few ulps of the bias
-    correction, not more.
-    """
-
-    def __init__(self, beta1: float, beta2: float):
-        self.step, self.b1, self.b2, self.b1t, self.b2t = 0, _f32(beta1), _f32(beta2), 1.0, 1.0
-
-    def increment(self, step: int, beta1: float, beta2: float) -> Tuple[float, float]:
-        beta1, beta2 = _f32(beta1), _f32(beta2)
-        if beta1 != self.b1 or beta2 != self.b2:
-            self.step, self.b1, self.b2 = step, beta1, beta2
-            self.b1t, self.b2t = _f32(beta1 ** step), _f32(beta2 ** step)
-        elif step == self.step + 1:
-            self.step += 1
-            self.b1t, self.b2t = _f32(self.b1t * beta1), _f32(self.b2t * beta2)
-        elif step != self.step:
-            self.b1t, self.b2t = _f32(beta1 ** step), _f32(beta2 ** step)
-            self.step = step
-        return self.b1t, self.b2t
-
-
-_CPU_ADAM_MIRRORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _shared_steps(optimizer, kind: str, items) -> List:
-    """Per-item step data that depends on the other parameters of the call."""
-    if kind == "cpu_adam":
-        mirror = _CPU_ADAM_MIRRORS.get(optimizer)
-        if mirror is None:
-            b1, b2 = optimizer.defaults["betas"]
-            mirror = _CPU_ADAM_MIRRORS[optimizer] = _CpuAdamMirror(b1, b2)
-        by_id = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
-        out: List = [None] * len(items)
-        for group in optimizer.param_groups:  # step()'s order of IncrementStep calls
-            for p in group[_GROUP_PARAMS]:
-                i = by_id.get(id(p))
-                if i is None:
-                    continue
-                step = int((optimizer.state.get(p) or {}).get("step", 0)) + 1
-                out[i] = (step,) + mirror.increment(step, *group["betas"])
-        return out
-    if kind == "fused_adam":
-        # FusedAdam.step() counts steps in the state of the *last* parameter with a gradient of
-        # each group (starting from group['step'] when that state is new); fp32 only: +1.
-        out = [None] * len(items)
-        with_grad = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
-        for group in optimizer.param_groups:
-            mine = [p for p in group[_GROUP_PARAMS] if id(p) in with_grad]
-            if not mine:
-                continue
-            last = optimizer.state.get(mine[-1]) or {}
-            step = int(last.get("step", group.get("step", 0))) + 1
-            for p in mine:
-                out[with_grad[id(p)]] = step
-        return out
-    return [None] * len(items)
-
-
-def _fma(a: torch.Tensor, b: float, c, out: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``out ← fl32(a·b + c)`` as an FMA: a·b is exact in float64 (a, b float32), one rounding
-    of the sum in float64, then to float32 (a double rounding: wrong by an ulp only when the
-    float64 sum falls exactly half-way between two floats, about 2^-28 of the time)."""
-    d.copy_(a).mul_(b)
-    d.add_(c)
-    return out.copy_(d)
-
-
-def _cpu_adam(p, g, out, group, state, step_info, adamw, ws):
-    step, b1t, b2t = step_info
-    beta1, beta2 = (_f32(b) for b in group["betas"])
-    lr, eps, wd = _f32(group["lr"]), _f32(group["eps"]), _f32(group["weight_decay"])
-    if group["bias_correction"]:
-        bias_correction1 = _f32(1 - b1t)
-        # ``1 / sqrt(1 - _betta2_t)`` in float
-        bias_correction2 = _f32(1 / _f32(_f32(1 - b2t) ** 0.5))
-    else:
-        bias_correction1 = bias_correction2 = 1.0
-    betta1_minus1, betta2_minus1 = _f32(1 - beta1), _f32(1 - beta2)
-    step_size = _f32(-lr / bias_correction1)
-    w_decay = _f32(_f32(-lr) * wd)
-    exp_avg, exp_avg_sq = _state_flat(state, "exp_avg"), _state_flat(state, "exp_avg_sq")
-    # Step_8/Step_4/Step_AVX<1> cover the first numel - numel % W elements with SIMD FMAs; the
-    # last numel % W go through Step_1's scalar loop, where the compiler contracts the moment
-    # updates the other way round: m = fma(m, β1, g·(1-β1)) instead of fma(g, 1-β1, m·β1).
-    simd_end = p.numel() - p.numel() % _cpu_adam_simd_width()
-    ranges = [(s, n, False) for s, n in _chunks(simd_end, ws.chunk)]
-    if simd_end < p.numel():
-        ranges.append((simd_end, p.numel() - simd_end, True))
-    for s, n, scalar_tail in ranges:
-        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
-        gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
-        d = ws.get(4, p, n, torch.float64)
-        tgt = _target(oc, p, ws, 3, n)
-        grad = gc
-        if wd > 0 and not adamw:
-            grad = _fma(pc, wd, gc, gb, d)
-        m_old = None if exp_avg is None else exp_avg.narrow(0, s, n)
-        v_old = None if exp_avg_sq is None else exp_avg_sq.narrow(0, s, n)
-        if scalar_tail:  # fewer than W elements: small temporaries
-            m_new = grad * betta1_minus1 if m_old is None else _fma(m_old, beta1, grad * betta1_minus1, mb, d)
-            g2b = (grad * grad) * betta2_minus1
-            v_new = g2b if v_old is None else _fma(v_old, beta2, g2b, vb, d)
-            mb.copy_(m_new)
-            vb.copy_(v_new)
-        else:
-            if m_old is None:
-                mb.zero_()
-                vb.zero_()
-            else:
-                torch.mul(m_old, beta1, out=mb)
-                torch.mul(v_old, beta2, out=vb)
-            _fma(grad, betta1_minus1, mb, mb, d)
-            g2 = torch.mul(grad, grad, out=gb)
-            _fma(g2, betta2_minus1, vb, vb, d)
-        # torch's float32 sqrt need not be correctly rounded (the C++ kernel's is): take it in
-        # float64 (a double rounding that is innocuous for sqrt) then round to float32.
-        den = gb.copy_(d.copy_(vb).sqrt_())
-        _fma(den, bias_correction2, eps, den, d)
-        upd = torch.div(mb, den, out=gb)
-        base = pc
-        if wd > 0 and adamw:
-            base = _fma(pc, w_decay, pc, tgt, d)
-        _fma(upd, step_size, base, tgt, d)
-        if tgt is not oc:
-            oc.copy_(tgt)
-
-
-_SIMD_WIDTHS = {"-D__AVX512__": 16, "-D__AVX256__": 8}
-_cpu_adam_width: Optional[int] = None
-
-
-def _cpu_adam_simd_width() -> int:
-    """Floats per SIMD vector of the cpu_adam op (as DeepSpeed's builder chooses it); 0 when the
-    op was built for a kernel this module does not reproduce (scalar, SVE, NEON)."""
-    global _cpu_adam_width
-    if _cpu_adam_width is None:
-        try:
-            from deepspeed.ops.op_builder import CPUAdamBuilder
-            _cpu_adam_width = _SIMD_WIDTHS.get(CPUAdamBuilder().simd_width(), 0)
-        except Exception:  # pragma: no cover - DeepSpeed absent or its probe failed
-            _cpu_adam_width = 0
-    return _cpu_adam_width
-
-
-# -- DeepSpeed FusedAdam: AdamFunctor (csrc/adam/multi_tensor_adam.cu) -----------------------
-def _fused_adam(p, g, out, group, state, step, adam_w_mode, ws):
-    beta1, beta2 = (_f32(b) for b in group["betas"])
-    lr, eps, decay = _f32(group["lr"]), _f32(group["eps"]), _f32(group["weight_decay"])
-    if group["bias_correction"]:
-        bc1, bc2 = _f32(1 - beta1 ** step), _f32(1 - beta2 ** step)
-    else:
-        bc1 = bc2 = 1.0
-    one_minus_b1, one_minus_b2 = _f32(1 - beta1), _f32(1 - beta2)
-    exp_avg, exp_avg_sq = _state_flat(state, "exp_avg"), _state_flat(state, "exp_avg_sq")
-    for s, n in _chunks(p.numel(), ws.chunk):
-        pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
-        gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
-        tgt = _target(oc, p, ws, 3, n)
-        tmp = ws.get(3, p, n)  # scratch; when it is also tgt, it is dead before tgt is written
-        grad = gc
-        if not adam_w_mode:  # ADAM_MODE_0 (L2): g = g + decay·p
-            grad = torch.mul(pc, decay, out=gb).add_(gc)
-        # m = β1·m + (1-β1)·g ; v = β2·v + (1-β2)·g·g, each product rounded, as written
-        torch.mul(grad, one_minus_b1, out=tmp)
-        (mb.zero_() if exp_avg is None else torch.mul(exp_avg.narrow(0, s, n), beta1, out=mb)).add_(tmp)
-        torch.mul(grad, one_minus_b2, out=tmp).mul_(grad)
-        (vb.zero_() if exp_avg_sq is None else torch.mul(exp_avg_sq.narrow(0, s, n), beta2, out=vb)).add_(tmp)
-        # update = (m/bc1) / (sqrt(v/bc2) + eps) [+ decay·p] ; p = p - lr·update
-        den = torch.div(vb, bc2, out=gb).sqrt_().add_(eps)
-        upd = torch.div(mb, bc1, out=vb).div_(den)
-        if adam_w_mode:
-            upd.add_(torch.mul(pc, decay, out=mb))
-        torch.sub(pc, upd.mul_(lr), out=tgt)
-        if tgt is not oc:
-            oc.copy_(tgt)
+def _deepspeed_kernels():
+    """DeepSpeed's Adam kernels in Python (a module of their own; imported on first use)."""
+    from . import functional_deepspeed
+    return functional_deepspeed

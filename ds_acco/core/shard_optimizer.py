@@ -11,6 +11,9 @@ per-parameter state and the param-group settings bit for bit as they were, in on
   which is optimizer-agnostic but costs, for the length of the round, one clone of the master
   shard plus one of every state tensor (12 bytes per element for fp32 Adam with amsgrad,
   8 for Adam, 4 for SGD with momentum).
+
+The commit of torch SGD/Adam/AdamW is functional too (in place, chunk by chunk, bit-identical to
+``optimizer.step()``: :func:`.functional_step.commit_in_place`); other optimizers take their step.
 """
 from __future__ import annotations
 
@@ -47,9 +50,25 @@ class ShardOptimizer:
         group's settings may change during training, e.g. a tensor learning rate)."""
         return functional_step.supports(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
 
+    @property
+    def functional_commit(self) -> bool:
+        """Whether :meth:`commit` updates θ and S in place chunk by chunk (torch SGD/Adam/AdamW
+        without step hooks; checked per call) rather than through ``optimizer.step()``."""
+        return functional_step.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
+
     def commit(self, grads: Sequence[torch.Tensor], read: Optional[Callable[[], T]] = None) -> Optional[T]:
-        """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step) if given."""
-        self._step(grads)
+        """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step) if given.
+
+        For torch SGD/Adam/AdamW the step is :func:`functional_step.commit_in_place`: bit-identical
+        to ``optimizer.step()``, but with chunk-sized temporaries only (torch's Adam step allocates
+        shard-sized ones, and the commit runs while the compute lane's activations are alive);
+        any other optimizer (DeepSpeed's Adams included) takes its real step."""
+        if len(grads) != len(self.masters):
+            raise ValueError(f"expected {len(self.masters)} gradients, got {len(grads)}")
+        if self.functional_commit:
+            functional_step.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems)
+        else:
+            self._step(grads)
         return None if read is None else read()
 
     def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:

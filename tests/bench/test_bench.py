@@ -3,7 +3,6 @@ cluster's commands and launcher (no root needed), and one emulated-cluster run (
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -13,7 +12,11 @@ import pytest
 
 from ds_acco.bench import advisor, cluster, report, runner
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import prebuild
+from dist import free_port
+from timeouts import scaled
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- advisor --------------------------------------------------------------------------------------
@@ -306,8 +309,9 @@ def test_cluster_commands_stay_inside_our_namespaces():
     assert addrs == ["10.250.0.1/24", "10.250.0.2/24", "10.250.0.3/24"]
     shaped = [c for c in cl.commands if "tbf" in c]
     assert len(shaped) == 4  # two shaped nodes, both directions; the third is unshaped
-    env = cl.rank_env(1, 29500)
-    assert env["MASTER_ADDR"] == "10.250.0.1" and env["GLOO_SOCKET_IFNAME"] == "eth0" and env["RANK"] == "1"
+    port = free_port()  # rank_env only builds a dict; a free port all the same (no fixed ports in tests)
+    env = cl.rank_env(1, port)
+    assert env["MASTER_PORT"] == str(port) and env["MASTER_ADDR"] == "10.250.0.1" and env["GLOO_SOCKET_IFNAME"] == "eth0" and env["RANK"] == "1"
     assert env["LOCAL_RANK"] == "0" and env["LOCAL_SIZE"] == "1"
     cl.teardown()
     assert cl.commands[-1][:3] == ["ip", "netns", "del"]
@@ -331,7 +335,7 @@ def test_launch_prefixes_and_collects_output():
     import io
     buf = io.StringIO()
     cmd = [sys.executable, "-c", "import os; print('hello from', os.environ['RANK'])"]
-    outs = cluster.launch([cmd, cmd], [{"RANK": "0"}, {"RANK": "1"}], timeout_s=30, stream=buf)
+    outs = cluster.launch([cmd, cmd], [{"RANK": "0"}, {"RANK": "1"}], timeout_s=scaled(10), stream=buf)
     assert outs == ["hello from 0", "hello from 1"]
     assert "[rank1] hello from 1" in buf.getvalue()
 
@@ -342,8 +346,8 @@ def test_launch_kills_every_rank_when_one_fails():
     failer = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
     t0 = time.monotonic()
     with pytest.raises(cluster.LaunchError, match="rank 1 exited with 3") as exc:
-        cluster.launch([sleeper, failer], [{}, {}], timeout_s=30, stream=io.StringIO())
-    assert time.monotonic() - t0 < 15
+        cluster.launch([sleeper, failer], [{}, {}], timeout_s=scaled(10), stream=io.StringIO())
+    assert time.monotonic() - t0 < scaled(5)  # well before the sleeper's 60 s
     assert "boom" in str(exc.value)
 
 
@@ -352,8 +356,8 @@ def test_launch_times_out():
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     t0 = time.monotonic()
     with pytest.raises(cluster.LaunchError, match="timed out"):
-        cluster.launch([sleeper], [{}], timeout_s=1.5, stream=io.StringIO())
-    assert time.monotonic() - t0 < 10
+        cluster.launch([sleeper], [{}], timeout_s=1.5, stream=io.StringIO())  # the limit under test: not scaled
+    assert time.monotonic() - t0 < 1.5 + scaled(3)
 
 
 def test_cli_says_root_is_needed(monkeypatch, capsys):
@@ -372,10 +376,10 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
     namespace is gone afterwards. Bounded to about a minute."""
     prefix = f"accot{os.getpid() % 100000}"
     env = {**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/ds_ext")
+    env.setdefault("TORCH_EXTENSIONS_DIR", prebuild.default_extensions_dir())  # conftest sets it: ops prebuilt
     out = subprocess.run([sys.executable, "-m", "ds_acco.bench", "cluster-test", "--nodes", "2", "--rate", "100mbit",
-                          "--mbytes", "4", "--prefix", prefix, "--timeout", "90"],
-                         capture_output=True, text=True, env=env, timeout=150)
+                          "--mbytes", "4", "--prefix", prefix, "--timeout", str(round(scaled(30)))],
+                         capture_output=True, text=True, env=env, timeout=scaled(50))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["problems"] == []
@@ -389,8 +393,8 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
                           "--gas", "2", "--steps", "3", "--variants", "stock,fixed,fsdp_stock,fsdp_fixed",
                           "--n-embd", "32", "--n-layer",
                           "1", "--n-head", "2", "--seq-len", "16", "--out", str(tmp_path), "--prefix", prefix,
-                          "--timeout", "150", "--label", "tiny"],
-                         capture_output=True, text=True, env=env, timeout=200)
+                          "--timeout", str(round(scaled(50))), "--label", "tiny"],
+                         capture_output=True, text=True, env=env, timeout=scaled(67))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.load(open(tmp_path / "tiny.json"))
     v = summary["variants"]

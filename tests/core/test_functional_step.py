@@ -10,6 +10,7 @@ import copy
 import functools
 import importlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -433,3 +434,180 @@ def test_deepspeed_fused_adam_emulation(monkeypatch):
                 err = ((out - p) / (p - b)).abs().max().item()  # relative to the update
                 worst = max(worst, err)
         assert worst == 0.0, worst  # bit-identical to the transcription
+
+
+# -- the functional commit (torch SGD/Adam/AdamW) ---------------------------------------------
+def _state_signature(opt, params):
+    """Per parameter (in order): its state's keys in order, and of each tensor its type, dtype,
+    device, shape, strides and requires_grad."""
+    return [[(k, type(v), v.dtype, v.device, tuple(v.shape), v.stride(), v.requires_grad) if torch.is_tensor(v)
+             else (k, v) for k, v in opt.state[p].items()] if p in opt.state else None for p in params]
+
+
+def _assert_same_as_real(opt, params, ref, ref_params, where):
+    assert _state_signature(opt, params) == _state_signature(ref, ref_params), where
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p.detach(), r.detach()), f"{where}: parameter {(p - r).abs().max()} off"
+        for k, v in opt.state.get(p, {}).items():
+            assert torch.equal(v, ref.state[r][k]), f"{where}: state '{k}' {(v - ref.state[r][k]).abs().max()} off"
+
+
+@pytest.mark.parametrize("name", TORCH_CONFIGS)
+def test_commit_in_place_is_bit_identical_to_real_steps(name):
+    """From fresh state: N in-place commits give the very parameters and state (values, keys,
+    dtypes, devices, layouts) of N real steps; the first step has no gradient for the second
+    parameter (it must get no state then, and be left alone)."""
+    torch.manual_seed(13)
+    params = _params()
+    opt = TORCH_CONFIGS[name](_groups(params))
+    ref = copy.deepcopy(opt)
+    ref_params = [p for g in ref.param_groups for p in g["params"]]
+    assert functional_step.supports_commit(opt)
+    for step in range(STEPS):
+        grads = [torch.randn_like(p) for p in params]
+        if step == 0:
+            grads[1] = None
+        kept = [None if g is None else g.clone() for g in grads]
+        functional_step.commit_in_place(opt, params, grads, CHUNK)
+        for p, r, g in zip(ref_params, params, grads):
+            p.grad = None if g is None else g.clone()
+        ref.step()
+        for p in ref_params:
+            p.grad = None
+        _assert_same_as_real(opt, params, ref, ref_params, f"{name}, step {step}")
+        assert all(g is None or torch.equal(g, k) for g, k in zip(grads, kept)), "a gradient was written"
+        assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_commit_does_not_depend_on_the_chunk(chunk):
+    torch.manual_seed(14)
+    params = _params()
+    opt = TORCH_CONFIGS["adamw-foreach-amsgrad"](_groups(params))
+    ref = copy.deepcopy(opt)
+    ref_params = [p for g in ref.param_groups for p in g["params"]]
+    for step in range(2):
+        grads = [torch.randn_like(p) for p in params]
+        functional_step.commit_in_place(opt, params, grads, chunk)
+        _real_step(ref, ref_params, grads)
+        _assert_same_as_real(opt, params, ref, ref_params, f"chunk {chunk}, step {step}")
+
+
+@pytest.mark.parametrize("name", ["adam-amsgrad-l2", "adamw-wd", "sgd-momentum-nesterov-wd"])
+def test_commit_allocates_only_chunk_sized_temporaries(name):
+    """The real step allocates shard-sized temporaries (Adam: the denominator; SGD: the decayed
+    gradient); the functional commit, once the state exists, at most two chunks."""
+    torch.manual_seed(15)
+    p = torch.randn(BIG, requires_grad=True)
+    opt = TORCH_CONFIGS[name]([p])
+    functional_step.commit_in_place(opt, [p], [torch.randn_like(p)], MEM_CHUNK)  # creates the state
+    ref = copy.deepcopy(opt)
+    ref_p = ref.param_groups[0]["params"][0]
+    g = torch.randn_like(p)
+    with AllocCounter() as counter:
+        functional_step.commit_in_place(opt, [p], [g], MEM_CHUNK)
+    assert counter.largest <= MEM_CHUNK, counter.report()
+    assert counter.total_bytes <= 2 * MEM_CHUNK * 4 + 64, counter.report()
+    ref_p.grad = g.clone()
+    with AllocCounter() as real:
+        ref.step()
+    assert real.largest >= BIG, real.report()  # the contrast: torch's own step
+    assert torch.equal(p, ref_p) and all(torch.equal(v, ref.state[ref_p][k]) for k, v in opt.state[p].items())
+
+
+def test_shard_optimizer_commit_is_functional_and_exact():
+    torch.manual_seed(16)
+    p = torch.randn(BIG, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
+    ref = copy.deepcopy(opt)
+    ref_p = ref.param_groups[0]["params"][0]
+    so = ShardOptimizer(opt, [p], chunk_elems=MEM_CHUNK)
+    assert so.functional_commit
+    for step in range(2):
+        g = torch.randn_like(p)
+        with AllocCounter() as counter:
+            so.commit([g])
+        if step:  # the first commit creates the state (as the real step does)
+            assert counter.largest <= MEM_CHUNK, counter.report()
+        _real_step(ref, [ref_p], [g])
+        _assert_same_as_real(opt, [p], ref, [ref_p], f"step {step}")
+
+
+@pytest.mark.parametrize("via", ["commit_in_place", "shard_optimizer"])
+def test_commit_with_an_lr_scheduler_does_not_warn(via):
+    """torch's schedulers warn on ``scheduler.step()`` before any ``optimizer.step()``: they look
+    at ``optimizer._opt_called``, which their wrapper of ``step`` sets; the commit must set it."""
+    torch.manual_seed(17)
+    params = _params()
+    opt = TORCH_CONFIGS["adamw-wd"](_groups(params))
+    ref = copy.deepcopy(opt)
+    ref_params = [p for g in ref.param_groups for p in g["params"]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+        assert functional_step.supports_commit(opt)  # the scheduler's wrapper is no override
+        so = ShardOptimizer(opt, params, chunk_elems=CHUNK)
+        for step in range(3):
+            grads = [torch.randn_like(p) for p in params]
+            if via == "shard_optimizer":
+                so.commit(grads)
+            else:
+                functional_step.commit_in_place(opt, params, grads, CHUNK)
+            sched.step()
+            _real_step(ref, ref_params, grads)
+            ref_sched.step()
+            _assert_same_as_real(opt, params, ref, ref_params, f"step {step}")
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+
+
+def _make_hooked(params):
+    opt = torch.optim.AdamW(params, lr=0.01)
+    opt.calls = []
+    opt.register_step_pre_hook(lambda o, a, k: o.calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: o.calls.append("post"))
+    return opt
+
+
+def _make_overridden(params):
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    opt.calls = []
+    real = opt.step
+
+    def step(*a, **k):
+        opt.calls.append("step")
+        return real(*a, **k)
+    opt.step = step
+    return opt
+
+
+FALLBACK_CONFIGS = {
+    "adagrad": lambda q: torch.optim.Adagrad(q, lr=0.1),
+    "adamw-fused": lambda q: torch.optim.AdamW(q, lr=0.01, weight_decay=0.1, fused=True),
+    "sgd-fused": lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9, fused=True),
+    "adamw-step-hooks": _make_hooked,
+    "sgd-step-overridden": _make_overridden,
+}
+
+
+@pytest.mark.parametrize("name", FALLBACK_CONFIGS)
+def test_unsupported_commits_fall_back_to_the_real_step(name):
+    torch.manual_seed(18)
+    params = _params()
+    opt = FALLBACK_CONFIGS[name](params)
+    ref = copy.deepcopy(opt) if name not in ("adamw-step-hooks", "sgd-step-overridden") else FALLBACK_CONFIGS[name](
+        [p.detach().clone().requires_grad_() for p in params])
+    ref_params = [p for g in ref.param_groups for p in g["params"]]
+    assert not functional_step.supports_commit(opt)
+    with pytest.raises(ValueError):
+        functional_step.commit_in_place(opt, params, [torch.randn_like(p) for p in params], CHUNK)
+    so = ShardOptimizer(opt, params, chunk_elems=CHUNK)
+    assert not so.functional_commit
+    for step in range(2):
+        grads = [torch.randn_like(p) for p in params]
+        so.commit(grads)
+        _real_step(ref, ref_params, grads)
+        _assert_same_as_real(opt, params, ref, ref_params, f"{name}, step {step}")
+    if hasattr(opt, "calls"):
+        assert opt.calls == ref.calls and opt.calls, (opt.calls, ref.calls)  # the hooks / override ran

@@ -27,12 +27,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from timeouts import scaled
+
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "tests" / "launch" / "smoke.py"
 BIN = Path(sys.executable).parent
 WORLD = 2
 MODE = "acco"
-TIMEOUT_S = 240
+TIMEOUT_S = scaled(80)  # per launcher run; see tests/timeouts.py
 RESULT_TAG = "SMOKE_RESULT"
 # What must be identical across launchers (everything in the result but bookkeeping).
 COMPARED = ("world_size", "mode", "optimizer", "global_steps", "losses", "losses_by_rank", "checksum")
@@ -114,7 +116,7 @@ def parse_result(label: str, cmd: list[str], out: str, rc: int | None, timed_out
                     pytrace=False)
 
     if timed_out:
-        fail(f"timed out after {TIMEOUT_S} s (process group killed)")
+        fail(f"timed out after {TIMEOUT_S:.0f} s (process group killed; scale with ACCO_TEST_TIMEOUT_SCALE)")
     if rc != 0:
         fail(f"exited with status {rc}")
     results = []
@@ -209,9 +211,9 @@ def _mpi_problem() -> str | None:
         return f"no 'mpirun' next to {sys.executable} or on PATH"
     try:
         probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
-                               env=base_env(), capture_output=True, text=True, timeout=60)
+                               env=base_env(), capture_output=True, text=True, timeout=scaled(20))
     except subprocess.TimeoutExpired:
-        return "'from mpi4py import MPI' hung for 60 s"
+        return f"'from mpi4py import MPI' hung for {scaled(20):.0f} s"
     if probe.returncode != 0:
         return f"'from mpi4py import MPI' failed with {sys.executable}:\n{tail(probe.stdout + probe.stderr, 15)}"
     return None

@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
+from timeouts import scaled
 from test_launchers import REPO, _communicate, base_env, free_port, launcher, tail  # noqa: F401
 
-TIMEOUT_S = 240
+TIMEOUT_S = scaled(80)  # per example run; see tests/timeouts.py
 EXAMPLES = REPO / "examples"
 
 
@@ -28,7 +29,7 @@ def deepspeed_run(tmp_path, script, *args) -> str:
                             text=True, start_new_session=True)
     out, timed_out = _communicate(proc, TIMEOUT_S)
     if timed_out or proc.returncode != 0:
-        why = f"timed out after {TIMEOUT_S} s" if timed_out else f"exited with status {proc.returncode}"
+        why = f"timed out after {TIMEOUT_S:.0f} s" if timed_out else f"exited with status {proc.returncode}"
         pytest.fail(f"{script.name}: {why}\ncommand: {' '.join(cmd)}\n--- last lines of output ---\n{tail(out)}",
                     pytrace=False)
     return out

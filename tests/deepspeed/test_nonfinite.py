@@ -17,6 +17,12 @@ CASES = {
     "acco-second-half": (dict(BASE, acco={"enabled": True, "mode": "acco"}, nan_at=[(1, 6)]), "acco", (), (1,)),
     "acco-first-half": (dict(BASE, acco={"enabled": True, "mode": "acco"}, nan_at=[(0, 8)]), "acco", (2,), (2,)),
     "dpu": (dict(BASE, acco={"enabled": True, "mode": "dpu"}, nan_at=[(0, 5)]), "dpu", (), (1,)),
+    # the same with +inf instead of NaN (a check for NaN only, e.g. math.isnan, would miss these)
+    "acco-second-half-inf": (dict(BASE, acco={"enabled": True, "mode": "acco"}, inf_grad_at=[(1, 6)]), "acco", (),
+                             (1,)),
+    "acco-first-half-inf": (dict(BASE, acco={"enabled": True, "mode": "acco"}, inf_grad_at=[(0, 8)]), "acco", (2,),
+                            (2,)),
+    "dpu-inf": (dict(BASE, acco={"enabled": True, "mode": "dpu"}, inf_grad_at=[(0, 5)]), "dpu", (), (1,)),
 }
 
 
@@ -44,6 +50,8 @@ def test_skip_matches_reference_and_buffers_stay_clean(runs, name):
     assert err < 1e-5
     assert all(torch.isfinite(t).all() for t in run["final"].values())
     assert run["skipped_steps"] == len(skip_commit)
+    skipped_rounds = sorted((kind, step) for (kind, step), skipped in run["rounds"] if skipped)
+    assert skipped_rounds == sorted([("estimate", t) for t in skip_est] + [("commit", t) for t in skip_commit])
     # only the poisoned micro-batch itself has a NaN loss: later ones are computed at finite weights
     nan_losses = [i for i, l in enumerate(run["losses"]) if math.isnan(l)]
     assert len(nan_losses) <= 1

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dist import run_ranks
+from timeouts import scaled
 from fixtures import TinyNet, TokenNet, batch, make_optimizer, make_scheduler, token_batch
 from reference import reference_replay
 import workers
@@ -41,7 +42,7 @@ def runs(tmp_path_factory):
         if name == "hidden":
             c["extra"] = {"csv_monitor": {"enabled": True, "output_path": str(monitor_dir), "job_name": "acco"}}
         cases.append(c)
-    results = run_ranks(workers.train_until_cases, cases=cases, timeout=600)
+    results = run_ranks(workers.train_until_cases, cases=cases, timeout=scaled(200))
     out = {name: (results[0][i], results[1][i]) for i, name in enumerate(CASES)}
     out["monitor_dir"] = monitor_dir
     return out

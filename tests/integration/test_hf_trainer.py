@@ -9,10 +9,11 @@ import os
 import pytest
 
 from dist import run_ranks
+from timeouts import scaled
 
 pytest.importorskip("accelerate", reason="HF Trainer's DeepSpeed integration needs accelerate")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, GAS = 6, 4
 
 
@@ -29,7 +30,7 @@ def finetune(argv):
 def test_hf_trainer_trains_with_acco():
     argv = ["--deepspeed_config", os.path.join(REPO, "ds_configs", "acco.json"), "--max-steps", str(STEPS),
             "--gradient-accumulation-steps", str(GAS), "--per-device-batch-size", "4", "--train-sequences", "400"]
-    results = run_ranks(finetune, world=2, timeout=240, argv=argv)
+    results = run_ranks(finetune, world=2, timeout=scaled(80), argv=argv)
     for r in results:
         assert r["world_size"] == 2
         assert r["engine"] == "AccoEngine", r

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from ds_acco import cli
+from timeouts import scaled
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 
@@ -73,7 +74,7 @@ def test_check_with_hf_auto_values_skips_deepspeed_checks(tmp_path):
 
 def test_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ds_acco", "check", str(REPO / "ds_configs" / "acco.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(40))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["acco"]["enabled"] is True
 

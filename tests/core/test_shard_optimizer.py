@@ -6,6 +6,8 @@ import torch
 
 from ds_acco.core.shard_optimizer import ShardOptimizer
 
+NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
+
 OPTIMIZERS = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),

@@ -1,9 +1,12 @@
 """Hundreds of malformed "acco" blocks: every one is a ValueError naming the offending key and a fix."""
+import json
 import random
 
 import pytest
 
 from ds_acco.config import AccoConfig
+
+NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 
 # key path -> values that must be refused there
 BAD = {
@@ -52,13 +55,33 @@ def build(path, value, dynamic=True):
     return block
 
 
+def canonical(case) -> str:
+    """One string per distinct (block, expected key): JSON with sorted keys (1, 1.0, True, "1" differ)."""
+    return json.dumps(case, sort_keys=True)
+
+
 def cases(n=400, seed=1234):
+    """``n`` distinct malformed blocks (the random draws repeat themselves: 400 draws held 261
+    distinct cases, so draws are deduplicated until there are ``n``)."""
     rng = random.Random(seed)
-    out = []
+    seen = set()
+
+    class _Distinct(list):  # a list whose append drops repeats
+        def append(self, case):
+            key = canonical(case)
+            if key not in seen:
+                seen.add(key)
+                super().append(case)
+
+    out = _Distinct()
     for path, values in BAD.items():  # every bad value of every key
         for v in values:
             out.append((build(path, v, dynamic=False), path))
+    draws = 0
     while len(out) < n:
+        draws += 1
+        if draws > 100 * n:
+            raise RuntimeError(f"only {len(out)} distinct cases after {draws} draws: widen the generator")
         kind = rng.random()
         if kind < 0.4:  # a misspelt key, top level or nested
             if rng.random() < 0.5:
@@ -86,14 +109,16 @@ def cases(n=400, seed=1234):
             else:
                 block = {"enabled": True, "accumulation": "fixed", "dynamic": {"min_micro_batches": lo}}
                 out.append((block, "dynamic"))
-    return out
+    return list(out)
 
 
 CASES = cases()
 
 
-def test_there_are_hundreds_of_cases():
-    assert len(CASES) >= 400
+def test_there_are_hundreds_of_distinct_cases():
+    distinct = {canonical(c) for c in CASES}
+    print(f"{len(CASES)} cases, {len(distinct)} distinct")
+    assert len(distinct) == len(CASES) >= 400
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))

@@ -23,7 +23,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 import fsdp_workers
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer
-from reference import reference_run
+from reference import mode_references, nearest_own_reference, reference_run
 
 GAS, STEPS = 4, 6
 SIM = {"init_scale": 2.0 ** 8, "scale_window": 2, "min_scale": 1, "delayed_shift": 1,
@@ -118,6 +118,12 @@ def test_real_fp16_skips_overflows_and_matches_the_reference(runs, which):
     want = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=REAL_STEPS, mode="acco",
                          make_optimizer=make_optimizer("sgd"), skip_estimate=skipped_estimates,
                          skip_commit=skipped_commits)
+    # 5e-3 alone would not tell ACCO from stock ZeRO-1 (7.5e-3 apart here): the committed fp32 master
+    # must be clearly nearest to ACCO's θ_T, every reference taking the same skipped steps.
+    refs = mode_references(TinyNet(seed=0), batch, world=2, gas=GAS, steps=REAL_STEPS,
+                           make_optimizer=make_optimizer("sgd"), skip_estimate=skipped_estimates,
+                           skip_commit=skipped_commits)
+    nearest_own_reference(run["final_fp32"], refs, "acco", label=f"{which} (fp16)")
     num = math.sqrt(sum(float((run["final"][n].double() - want[n]).pow(2).sum()) for n in want))
     den = math.sqrt(sum(float(want[n].pow(2).sum()) for n in want))
     # fp16 compute: ~1e-3 relative; an unscaled or mixed-scale update would be off by factors of 2
@@ -140,11 +146,11 @@ def test_real_fp16_resumes_bit_identically(tmp_path):
     """Saved after the scale has moved (skips at the start, growth later), a run resumed in new
     processes continues bit-identically: DeepSpeed's scaler state and the scale G carries are
     part of the checkpoint."""
-    import workers
+    import lifecycle_workers
     case = dict(REAL_DS, steps=None)
     save_at, total = (6, 13, 17, 22), 30
-    full = run_ranks(workers.checkpoint_save_run, case=case, save_dir=str(tmp_path), save_at=save_at, total=total)
-    resumed = run_ranks(workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=save_at,
+    full = run_ranks(lifecycle_workers.checkpoint_save_run, case=case, save_dir=str(tmp_path), save_at=save_at, total=total)
+    resumed = run_ranks(lifecycle_workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=save_at,
                         total=total)
     for rank in (0, 1):
         for i in save_at:

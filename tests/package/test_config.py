@@ -6,6 +6,8 @@ import pytest
 import ds_acco
 from ds_acco.config import AccoConfig, acco_config_of, load_ds_config
 from dist import run_ranks
+from timeouts import scaled
+import lifecycle_workers
 import workers
 
 
@@ -117,6 +119,6 @@ def test_incompatible_deepspeed_settings(init_errors, i):
     [{"enabled": True, "accumulation": "fixed"}, {"enabled": True, "accumulation": "dynamic"}],
 ], ids=["enabled-on-one-rank", "modes-differ", "accumulation-differs"])
 def test_ranks_disagreeing_is_refused_at_initialisation(blocks):
-    errors = run_ranks(workers.mismatched_init, per_rank_acco=blocks, timeout=120)
+    errors = run_ranks(lifecycle_workers.mismatched_init, per_rank_acco=blocks, timeout=scaled(40))
     for msg in errors:
         assert "differs between ranks" in msg and "rank 0" in msg and "rank 1" in msg and "fix" in msg, msg

@@ -5,6 +5,10 @@ import pytest
 import torch
 
 from dist import run_ranks
+from fixtures import TinyNet, batch, make_optimizer, make_scheduler
+from reference import reference_run
+from timeouts import scaled
+import lifecycle_workers
 import workers
 
 TOTAL = 22
@@ -21,8 +25,8 @@ CASES = {
 def saved(request, tmp_path_factory):
     case = CASES[request.param]
     save_dir = str(tmp_path_factory.mktemp(f"ckpt-{request.param}"))
-    full = run_ranks(workers.checkpoint_save_run, case=case, save_dir=save_dir, save_at=SAVE_AT, total=TOTAL)
-    resumed = run_ranks(workers.checkpoint_resume_runs, case=case, save_dir=save_dir, save_at=SAVE_AT, total=TOTAL)
+    full = run_ranks(lifecycle_workers.checkpoint_save_run, case=case, save_dir=save_dir, save_at=SAVE_AT, total=TOTAL)
+    resumed = run_ranks(lifecycle_workers.checkpoint_resume_runs, case=case, save_dir=save_dir, save_at=SAVE_AT, total=TOTAL)
     return request.param, case, save_dir, full, resumed
 
 
@@ -46,7 +50,7 @@ def test_saving_does_not_perturb_training(saved):
 
 def test_acco_checkpoint_loads_into_stock_zero1(saved):
     name, case, save_dir, full, resumed = saved
-    stock = run_ranks(workers.checkpoint_resume_runs, case=dict(case, acco=None), save_dir=save_dir,
+    stock = run_ranks(lifecycle_workers.checkpoint_resume_runs, case=dict(case, acco=None), save_dir=save_dir,
                       save_at=(11,), total=TOTAL, use_ds_acco=False)
     got = stock[0][11]
     assert got["optimizer"] == "DeepSpeedZeroOptimizer"
@@ -58,23 +62,38 @@ def test_acco_checkpoint_loads_into_stock_zero1(saved):
 
 
 def test_stock_checkpoint_loads_into_acco(tmp_path):
+    """A stock ZeRO-1 checkpoint (2 steps) loads into ACCO with exactly the stock weights, and ACCO
+    trains on from them, its optimizer state and LR schedule: θ at the end equals the float64
+    reference of 2 stock steps followed by ACCO steps on the next micro-batches."""
     case = CASES["acco"]
     stock_case = dict(case, acco=None)
-    run_ranks(workers.checkpoint_save_run, case=stock_case, save_dir=str(tmp_path), save_at=(7,), total=8)
-    out = run_ranks(workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=(7,), total=TOTAL)
+    stock = run_ranks(lifecycle_workers.checkpoint_save_run, case=stock_case, save_dir=str(tmp_path), save_at=(7,), total=8)
+    out = run_ranks(lifecycle_workers.checkpoint_resume_runs, case=case, save_dir=str(tmp_path), save_at=(7,), total=TOTAL)
     got = out[0][7]
-    assert got["optimizer"] == "AccoZeroOptimizer" and got["loaded_steps"] == 2
-    assert got["global_steps"] > 2 and all(torch.isfinite(t).all() for t in got["final"].values())
+    assert got["optimizer"] == "AccoZeroOptimizer" and got["loaded_steps"] == 2 == stock[0]["global_steps"]
+    for n, t in stock[0]["final"].items():  # saved after its last micro-batch: the stock θ_2 is in the checkpoint
+        assert torch.equal(got["loaded"][n], t), f"{n}: loaded weights differ from the stock checkpoint's"
+    # Micro-batches 8..21 under ACCO (gas 4): steps of micro-batches 8-11, 12-15, 16-19 commit; 20-21
+    # are the first half of the next step (its estimate in flight at the end).
+    acco_steps = (TOTAL - 8) // 4
+    assert got["global_steps"] == 2 + acco_steps
+    want = reference_run(TinyNet(seed=0), batch, world=2, gas=4, steps=acco_steps, mode="acco", stock_steps_first=2,
+                         make_optimizer=make_optimizer(case["optimizer"]), make_scheduler=make_scheduler(case["schedule"]),
+                         clip=case["clip"])
+    err = max(float((got["final"][n].double() - want[n]).abs().max()) for n in want)
+    moved = max(float((got["final"][n].double() - got["loaded"][n].double()).abs().max()) for n in want)
+    print(f"stock -> ACCO: max abs error vs reference {err:.1e}, moved {moved:.1e} since the load")
+    assert err < 1e-5 and moved > 1e-2
 
 
 @pytest.mark.parametrize("kill_point", ["before_publish", "while_writing"])
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, kill_point):
     case = CASES["acco"]
     with pytest.raises(RuntimeError, match="exit code 3"):
-        run_ranks(workers.checkpoint_killed_save, world=1, case=case, save_dir=str(tmp_path), kill_point=kill_point)
+        run_ranks(lifecycle_workers.checkpoint_killed_save, world=1, case=case, save_dir=str(tmp_path), kill_point=kill_point)
     assert open(tmp_path / "latest").read() == "good"
     assert not (tmp_path / "bad").exists()
-    out = run_ranks(workers.checkpoint_load_latest, world=1, case=case, save_dir=str(tmp_path))[0]
+    out = run_ranks(lifecycle_workers.checkpoint_load_latest, world=1, case=case, save_dir=str(tmp_path))[0]
     assert out["path"] is not None and f"{os.sep}good{os.sep}" in out["path"]
     assert out["global_steps"] == 1  # 5 micro-batches of gas 4 in acco: one commit (drained at save)
 
@@ -91,10 +110,10 @@ def test_universal_checkpoint_resumes_at_another_world_size(saved, tmp_path):
     out_dir = tmp_path / "universal"
     r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                         os.path.join(save_dir, "mb11"), "--output_folder", str(out_dir / "mb11_universal"),
-                        "--inject_missing_state"], capture_output=True, text=True, timeout=300)
+                        "--inject_missing_state"], capture_output=True, text=True, timeout=scaled(100))
     assert r.returncode == 0, r.stderr[-3000:]
     (out_dir / "latest").write_text("mb11_universal")
-    got = run_ranks(workers.universal_resume, world=1, case=case, load_dir=str(out_dir), total=TOTAL, start=12)[0]
+    got = run_ranks(lifecycle_workers.universal_resume, world=1, case=case, load_dir=str(out_dir), total=TOTAL, start=12)[0]
     assert got["optimizer"] == "AccoZeroOptimizer"
     assert got["loaded_steps"] == resumed[0][11]["loaded_steps"]
     for n, t in resumed[0][11]["loaded"].items():

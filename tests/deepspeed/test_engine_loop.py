@@ -1,13 +1,13 @@
 """Engines that are never destroyed never affect later engines in the process: no collective from
 finalisation or garbage collection, their lane and process group released without one."""
 from dist import run_ranks
-import lifecycle_workers
+import engine_loop_workers
 
 import torch
 
 
 def test_undestroyed_engines_never_hang_and_equal_a_fresh_one():
-    out = run_ranks(lifecycle_workers.undestroyed_engines, timeout=150, engines=10, repeats=3)
+    out = run_ranks(engine_loop_workers.undestroyed_engines, timeout=150, engines=10, repeats=3)
     for rank_out in out:
         results = rank_out["results"]
         assert len(results) == 30

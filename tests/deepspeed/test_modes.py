@@ -5,6 +5,7 @@ import torch
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer, make_scheduler
 from reference import reference_run
+from timeouts import scaled
 import workers
 
 GAS, STEPS = 4, 4
@@ -23,8 +24,10 @@ ACCO_CASES = {
     # a C→E swap, and the last micro-batch.
     "acco-probed": dict(BASE, acco=ACCO, probe_at=(0, 1, 2, 3, 4, 5, 8, 15)),
     "dpu-probed": dict(BASE, acco=DPU, probe_at=(1, 3, 5, 7, 10, 15)),
-    "acco-gated": dict(BASE, acco=ACCO, gated=True),
-    "dpu-gated": dict(BASE, acco=DPU, gated=True),
+    # gated lanes (last: a failing gate must not disturb the other cases); the value is the gate
+    # timeout: short, so a lane that never overlaps fails in seconds, not minutes
+    "acco-gated": dict(BASE, acco=ACCO, gated=scaled(5)),
+    "dpu-gated": dict(BASE, acco=DPU, gated=scaled(5)),
 }
 
 
@@ -88,16 +91,34 @@ def test_committed_weights_is_theta_and_does_not_perturb(runs, mode, probes):
 
 @pytest.mark.parametrize("name", ["acco-gated", "dpu-gated"])
 def test_compute_lane_runs_while_round_in_flight(runs, name):
+    """Every round but the last is overlapped by at least one whole micro-batch that started after
+    the round was submitted and ended before the round's gate opened (the round cannot end
+    before that). The micro-batch whose backward/step submitted the round does not count, so a
+    compute lane that waits for the round in flight at its next backward (or step, or forward)
+    fails here, on the gate's short timeout."""
     run = runs[name]
     events = run["lane_log"]
+    assert run["lane_error"] is None, (
+        f"{name}: {run['lane_error']}\nlast events: {events[-12:]}")
     assert_same(run, runs[name.split("-")[0]])  # gating changes timing only
-    rounds = {e[1] for e in events if e[0] == "submit"}
+    rounds = sorted(e[1] for e in events if e[0] == "round submit")
     expected_rounds = STEPS * 2 if name.startswith("acco") else STEPS
     assert len(rounds) == expected_rounds
+    at = {e: n for n, e in enumerate(events) if e[0] in ("mb start", "mb end", "round submit", "round end")}
+    opened = {e[1]: (n, e[2]) for n, e in enumerate(events) if e[0] == "gate open"}
+    last_start = max(n for e, n in at.items() if e[0] == "mb start")
     for k in rounds:
-        submit, end = events.index(("submit", k)), events.index(("end", k))
-        during = [e for e in events[submit:end] if e[0] == "mb"]
-        assert during, f"round {k}: no micro-batch computed while it was in flight"
+        submit, end = at[("round submit", k)], at[("round end", k)]
+        gate_at, opener = opened[k]
+        assert submit < gate_at < end
+        if submit > last_start:  # submitted by the last micro-batch: nothing left to overlap it
+            assert opener == "end of data" and k == rounds[-1], (k, opener)
+            continue
+        overlapped = [i for (kind, i), n in at.items()
+                      if kind == "mb start" and n > submit and at[("mb end", i)] < gate_at]
+        assert overlapped, (f"round {k}: no micro-batch started after its submit and finished before its gate "
+                            f"opened: {events[submit:end + 1]}")
+        assert opener == min(overlapped)  # opened by the first such micro-batch, while the round waited
 
 
 def test_memory_one_extra_buffer_no_stock_buckets(runs):

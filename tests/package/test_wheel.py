@@ -24,7 +24,7 @@ import pytest
 from ds_acco import cli, configs
 from ds_acco.bench import runner
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = {"acco.json", "acco_bf16.json", "acco_dynamic.json", "acco_fp16.json", "dpu.json", "zero1.json"}
 
 
