@@ -147,6 +147,7 @@ class AccoSchedule:
         self._decision: Optional[tuple] = None  # (micro-batch index, why the phase ends or None)
         self._inflight: Optional[_InFlight] = None
         self._swapped = False  # inside committed_weights: live and gathered exchanged
+        self._closed = False
         self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
         for g in self.groups:
             g.zero_grads()
@@ -245,7 +246,7 @@ class AccoSchedule:
         """Wait for the round in flight (if any); a finished commit is booked as committed. In
         dynamic mode every rank's j-th drain finishes the same rounds (module docstring): this
         rank may first end its phase early to join a round a peer launched."""
-        if not self.agrees_drains:
+        if not self.agrees_drains or self._closed:  # closed: the lane is gone (a second destroy())
             return None if self._inflight is None else self._wait(self._inflight)
         with record_function("ACCO::drain"):
             self.drains += 1
@@ -362,10 +363,13 @@ class AccoSchedule:
             g.zero_grads()
 
     def close(self) -> None:
-        """Drain and stop the lane."""
+        """Drain and stop the lane (once: later calls do nothing)."""
+        if self._closed:
+            return
         try:
             self.drain()
         finally:
+            self._closed = True
             self.lane.close()
 
     # -- internals ------------------------------------------------------------------------
