@@ -29,6 +29,8 @@ def drain_run(case, total, drain_every, save_every=0, save_dir=None, resume_dir=
     """Feed ``total`` micro-batches; after every ``drain_every``-th one read the committed weights
     (an evaluation), after every ``save_every``-th one save tag 'mb<i>' into ``save_dir``.
     ``resume_dir``/``resume_at``: load tag 'mb<resume_at>' first and go on from there."""
+    import faulthandler
+    faulthandler.dump_traceback_later(case.get("dump_after_s", 100), exit=False)  # a hang shows where
     rank = int(os.environ["RANK"])
     engine = _engine_for(case)
     schedule = engine.optimizer.schedule
@@ -59,5 +61,6 @@ def drain_run(case, total, drain_every, save_every=0, save_dir=None, resume_dir=
     steps = engine.global_steps
     reasons = [p.reason for p in schedule.history]
     engine.destroy()
+    faulthandler.cancel_dump_traceback_later()
     return {"losses": losses, "points": points, "positions": positions, "final": final, "global_steps": steps,
             "reasons": reasons}

@@ -9,7 +9,10 @@ import drain_workers
 
 ACCO = {"enabled": True, "mode": "acco", "accumulation": "dynamic", "comm_timeout_s": 20,
         "dynamic": {"min_micro_batches": 1, "max_micro_batches": 3, "check_every": 1}}
-TIMEOUT = 60  # a hang fails (the lane raises after comm_timeout_s; run_ranks kills after this)
+# A hang fails: the lane raises after comm_timeout_s, run_ranks kills a rank stuck elsewhere (a
+# DeepSpeed barrier) after this; ranks print their stacks after 100 s. Each spawn takes ~10 s on
+# 2 idle cores; the margin is for a loaded shared host.
+TIMEOUT = 150
 
 
 def same_points(r0, r1):
