@@ -62,4 +62,5 @@ class PhaseRecord:
     tally: Tally
     wait_s: float  # blocked at its end, waiting for the round that overlapped it
     ended_at: float
-    reason: str  # 'fixed', 'round_done' or 'max' (the phase policy's answer), or 'forced'
+    reason: str  # 'fixed', 'round_done' or 'max' (the phase policy's answer), 'drain' (ended early so
+    # that a drain finishes the round a peer launched, dynamic mode) or 'forced'

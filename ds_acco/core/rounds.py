@@ -36,7 +36,8 @@ class RoundKind(str, enum.Enum):
     COMMIT = "commit"
 
 
-REPORT_SIZE = 6  # floats each rank may send along with a round (metrics, a stop request)
+REPORT_SIZE = 6  # floats each rank may send along with a round (metrics, a stop request, a drain)
+DRAIN_FIELD = REPORT_SIZE - 1  # the schedule's own field (dynamic mode): the drain a rank is in, else 0
 
 
 @dataclass
@@ -139,12 +140,14 @@ def gather(ctx: RoundContext) -> None:
 
 
 def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Sequence[float],
-              loss_scale: float) -> RoundResult:
+              loss_scale: float, exchanged: Optional[tuple] = None) -> RoundResult:
     """One round (ACCO.md): mean gradient over all ranks, one optimizer step on the shard --
-    discarded for an estimate, kept for a commit -- and the new parameters all-gathered into B."""
+    discarded for an estimate, kept for a commit -- and the new parameters all-gathered into B.
+    ``exchanged``: the table of :func:`exchange_tallies`, when this rank's drain probe already
+    exchanged it (its peers' rounds did, see schedule.py); the round then starts at the reduce."""
     started = time.perf_counter()
     with record_function(f"ACCO::{kind.value}_round"):
-        per_rank, reports = exchange_tallies(ctx, local, report)
+        per_rank, reports = exchanged if exchanged is not None else exchange_tallies(ctx, local, report)
         weight = sum(t.weight for t in per_rank)
         if weight <= 0:
             raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "

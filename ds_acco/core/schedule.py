@@ -10,6 +10,29 @@ Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G
 
 G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a round is
 :func:`.rounds.run_round` on the lane.
+
+Drains agree (ACCO.md, dynamic mode). Every round starts with the same small all-gather (the
+counts table), so the n-th table exchange on the rounds' group is a *slot* every rank fills once.
+In dynamic mode ranks end phases on their own timing and may stand one round apart at a drain;
+the j-th ``drain()`` call of every rank (d = j) agrees on the slots as follows:
+  1. wait for the round in flight; if its table carries some rank's flag d, it is the agreed
+     last round: done;
+  2. else *probe* the next slot: the counts table alone, with this rank's flag d and the counts
+     it would send were the phase to end now. All probed (nobody launched a round there): the
+     slot is dropped on every rank, done. Some rank launched a round there: this rank ends its
+     phase now (possibly short, even empty) and joins that round with the table it already
+     has; waits for it; done.
+  3. outside a drain, a rank that collects a round carrying a peer's flag for its own next
+     drain (the peer drains first) does not end its phase -- it keeps accumulating, past the
+     maximum if need be -- until its drain, where step 1 finds that round.
+No deadlock: a rank launches round n+1 only after collecting round n, which needs every rank
+to have filled slot n, so ranks are at most one slot apart; the first rank to probe for drain
+d does so at slot P after collecting slot P-1, so no rank can have filled P+1 (that needs slot
+P collected without the flag), every rank fills slot P exactly once (a normal launch before
+its drain, or its probe), and no rank fills P+1 before its drain d is over (step 3). Each slot's
+decision (full round or dropped) is a function of its table, the same on every rank. Fixed mode
+(phase ends at equal micro-batch counts everywhere, so drains already agree) sends no flag and
+no probe: it is unchanged.
 """
 from __future__ import annotations
 
@@ -25,8 +48,8 @@ from torch.profiler import record_function
 
 from ..comm.lane import CommLane, RoundHandle
 from .buffers import BufferGroup
-from .phases import PhaseKind, PhaseRecord, Tally
-from .rounds import RoundContext, RoundKind, RoundResult, run_round
+from .phases import FixedPhases, PhaseKind, PhaseRecord, Tally
+from .rounds import DRAIN_FIELD, REPORT_SIZE, RoundContext, RoundKind, RoundResult, exchange_tallies, run_round
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,7 @@ class _InFlight:
     result: Optional[RoundResult] = None  # set once waited for
     committed: bool = False  # commit bookkeeping done (at a drain or a swap)
     wait_s: float = 0.0  # how long the compute lane blocked on it
+    wait_mark: Optional[float] = None  # wait_s before a phase-end decision waited for it (dynamic mode)
 
 
 class AccoSchedule:
@@ -123,6 +147,8 @@ class AccoSchedule:
         self._decision: Optional[tuple] = None  # (micro-batch index, why the phase ends or None)
         self._inflight: Optional[_InFlight] = None
         self._swapped = False  # inside committed_weights: live and gathered exchanged
+        self._closed = False
+        self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
         for g in self.groups:
             g.zero_grads()
 
@@ -138,13 +164,35 @@ class AccoSchedule:
     def decide_phase_end(self) -> bool:
         """Decide, once per micro-batch, whether the phase ends with it (later calls agree)."""
         if self._decision is None or self._decision[0] != self.micro_batches:
-            self._decision = (self.micro_batches, self._why_phase_ends())
+            why = self._why_phase_ends()
+            inflight = self._inflight
+            if why is not None and self.agrees_drains and inflight is not None:
+                # The phase end collects the round anyway: collect it now and keep the phase going
+                # if a peer is draining at it (module docstring, step 3).
+                inflight.wait_mark = inflight.wait_s
+                self._wait(inflight)
+                if self._peer_draining():
+                    why, inflight.wait_mark = None, None
+            self._decision = (self.micro_batches, why)
         return self._decision[1] is not None
+
+    @property
+    def agrees_drains(self) -> bool:
+        """Whether drains run the agreement protocol (any policy but fixed phases)."""
+        return not isinstance(self.phases, FixedPhases)
 
     def _why_phase_ends(self) -> Optional[str]:
         inflight = self._inflight
+        if self.agrees_drains and self._peer_draining():
+            return None
         done = (lambda: True) if inflight is None else inflight.handle.done
         return self.phases.ends(self.phase_tally.micro_batches + 1, done)
+
+    def _peer_draining(self) -> bool:
+        """The collected round in flight carries some rank's flag for this rank's next drain."""
+        inflight = self._inflight
+        return (inflight is not None and inflight.result is not None
+                and _flagged(inflight.result, self.drains + 1))
 
     def before_backward(self) -> None:
         """Before each backward pass: a loss scale set from outside (e.g. ``override_loss_scale``)
@@ -158,29 +206,31 @@ class AccoSchedule:
         self.buffer_tally = self.buffer_tally.add(one)
         self.micro_batches += 1
 
-    def end_phase(self) -> None:
-        """Phase boundary: collect the round in flight, swap, launch the next round."""
+    def end_phase(self, exchanged: Optional[tuple] = None, reason: Optional[str] = None) -> None:
+        """Phase boundary: collect the round in flight, swap, launch the next round (with
+        ``exchanged``: join a round whose counts table a drain probe already exchanged)."""
         with record_function("ACCO::phase_end"):
             ended, wait_s = self.phase, 0.0
-            reason = self._decision[1] if self._decision and self._decision[0] == self.micro_batches - 1 else None
+            if reason is None and self._decision and self._decision[0] == self.micro_batches - 1:
+                reason = self._decision[1]
             step = self.step_index
             if self.mode == "dpu":
                 if self.phase is not PhaseKind.BOOTSTRAP:
                     wait_s = self._collect_into_live()  # model ← θ_k
                     self.step_index += 1
-                self._launch(RoundKind.COMMIT, clear_grads=True)
+                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged)
                 self.phase = PhaseKind.COMMIT
             elif self.phase is PhaseKind.BOOTSTRAP:
-                self._launch(RoundKind.ESTIMATE, clear_grads=False)
+                self._launch(RoundKind.ESTIMATE, clear_grads=False, exchanged=exchanged)
                 self.phase = PhaseKind.ESTIMATE
             elif self.phase is PhaseKind.ESTIMATE:
                 wait_s = self._collect_into_live()  # model ← θ̃_{t+1}
-                self._launch(RoundKind.COMMIT, clear_grads=True)  # the full batch of step t
+                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged)  # the full batch of step t
                 self.phase = PhaseKind.COMMIT
             else:
                 wait_s = self._collect_into_live()  # model ← θ_{t+1}
                 self.step_index += 1
-                self._launch(RoundKind.ESTIMATE, clear_grads=False)  # Σg̃_{t+1}, kept in G
+                self._launch(RoundKind.ESTIMATE, clear_grads=False, exchanged=exchanged)  # Σg̃_{t+1}, kept in G
                 self.phase = PhaseKind.ESTIMATE
             data_step = step + 1 if ended is PhaseKind.COMMIT else (step if ended is PhaseKind.ESTIMATE else 0)
             self.history.append(PhaseRecord(ended, data_step, self.phase_tally, wait_s, time.perf_counter(),
@@ -193,10 +243,30 @@ class AccoSchedule:
         return None if self._inflight is None else self._inflight.kind
 
     def drain(self) -> Optional[RoundResult]:
-        """Wait for the round in flight (if any); a finished commit is booked as committed."""
-        if self._inflight is None:
-            return None
-        return self._wait(self._inflight)
+        """Wait for the round in flight (if any); a finished commit is booked as committed. In
+        dynamic mode every rank's j-th drain finishes the same rounds (module docstring): this
+        rank may first end its phase early to join a round a peer launched."""
+        if not self.agrees_drains or self._closed:  # closed: the lane is gone (a second destroy())
+            return None if self._inflight is None else self._wait(self._inflight)
+        with record_function("ACCO::drain"):
+            self.drains += 1
+            drain = self.drains
+            inflight = self._inflight
+            if inflight is not None:
+                self._wait(inflight)
+                if _flagged(inflight.result, drain):
+                    return inflight.result
+            # Probe the next slot: the counts this rank would send, were its phase to end now.
+            self._sync_accumulated_loss_scale()
+            local = self.buffer_tally
+            report = self._report(drain)
+            ctx = self.context
+            probe = self.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
+            per_rank, reports = self.lane.wait(probe)
+            if bool((reports[:, DRAIN_FIELD] == drain).all()):
+                return None if inflight is None else inflight.result  # nobody launched a round there
+            self.end_phase(exchanged=(per_rank, reports), reason="drain")
+            return self._wait(self._inflight)
 
     @contextlib.contextmanager
     def committed_weights(self):
@@ -205,10 +275,13 @@ class AccoSchedule:
         A commit round in flight is waited for (its θ is the newest); an estimate round is not:
         the live weights already are the committed θ_t and the round may go on.
         """
+        if self.agrees_drains:
+            self.drain()  # on every rank, whatever the kind in flight: drains must pair up
         inflight = self._inflight
         swap = inflight is not None and inflight.kind is RoundKind.COMMIT
         if swap:  # B holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu)
-            self.drain()
+            if not self.agrees_drains:
+                self.drain()
             for g in self.groups:
                 g.swap_live_and_gathered()
             self._swapped = True
@@ -239,6 +312,7 @@ class AccoSchedule:
             "buffer_tally": (self.buffer_tally.micro_batches, self.buffer_tally.weight),
             "micro_batches": self.micro_batches,
             "accumulated_loss_scale": self.accumulated_loss_scale,
+            "drains": self.drains,
             "groups": [g.export_state(self._swapped) for g in self.groups],
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
@@ -261,6 +335,7 @@ class AccoSchedule:
         self.buffer_tally = Tally(*state["buffer_tally"])
         self.micro_batches = state["micro_batches"]
         self.accumulated_loss_scale = float(state["accumulated_loss_scale"])
+        self.drains = int(state.get("drains", self.drains))  # the saving run's count: flags stay comparable
         self._sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
         self._decision = None
         info = state["inflight"]
@@ -288,10 +363,13 @@ class AccoSchedule:
             g.zero_grads()
 
     def close(self) -> None:
-        """Drain and stop the lane."""
+        """Drain and stop the lane (once: later calls do nothing)."""
+        if self._closed:
+            return
         try:
             self.drain()
         finally:
+            self._closed = True
             self.lane.close()
 
     # -- internals ------------------------------------------------------------------------
@@ -311,7 +389,18 @@ class AccoSchedule:
                 g.scale_grads(new / self.accumulated_loss_scale)
             self.accumulated_loss_scale = new
 
-    def _launch(self, kind: RoundKind, clear_grads: bool) -> None:
+    def _report(self, drain: int = 0) -> list:
+        """The floats sent with a round or a probe; in dynamic mode the drain flag rides last."""
+        report = list(self.report()) if self.report is not None else []
+        if self.agrees_drains:
+            if len(report) > DRAIN_FIELD:
+                raise ValueError(f"report of {len(report)} floats: dynamic mode keeps field {DRAIN_FIELD} "
+                                 "for the drain flag")
+            report = report + [0.0] * (REPORT_SIZE - len(report))
+            report[DRAIN_FIELD] = float(drain)
+        return report
+
+    def _launch(self, kind: RoundKind, clear_grads: bool, exchanged: Optional[tuple] = None) -> None:
         self._sync_accumulated_loss_scale()  # a scale set after the last backward: G follows it into B
         scale = self.accumulated_loss_scale
         for g in self.groups:
@@ -320,9 +409,10 @@ class AccoSchedule:
         if clear_grads:
             self.buffer_tally = Tally()
         step = self.step_index
-        report = list(self.report()) if self.report is not None else []
+        report = self._report() if exchanged is None else None
         ctx = self.context
-        handle = self.lane.submit(f"{kind.value} {step}", lambda: run_round(ctx, kind, step, tally, report, scale))
+        handle = self.lane.submit(f"{kind.value} {step}",
+                                  lambda: run_round(ctx, kind, step, tally, report, scale, exchanged))
         self._inflight = _InFlight(handle, kind, step)
 
     def _wait(self, inflight: _InFlight) -> RoundResult:
@@ -349,9 +439,16 @@ class AccoSchedule:
 
     def _collect_into_live(self) -> float:
         inflight = self._inflight
-        waited_before = inflight.wait_s
+        waited_before = inflight.wait_s if inflight.wait_mark is None else inflight.wait_mark
         self._wait(inflight)
         for g in self.groups:
             g.unpack_into_live()
         self._inflight = None
         return inflight.wait_s - waited_before
+
+
+def _flagged(result: RoundResult, drain: int) -> bool:
+    """Whether some rank sent ``result``'s round as part of its drain number ``drain``."""
+    reports = result.peer_report
+    return (reports is not None and reports.shape[1] > DRAIN_FIELD
+            and bool((reports[:, DRAIN_FIELD] == drain).any()))

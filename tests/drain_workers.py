@@ -1,0 +1,66 @@
+"""Ranks that drain (evaluate via committed_weights, save checkpoints) at equal micro-batch counts
+while dynamic phases leave them at different phase positions (tests/test_drain_agreement.py)."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+import ds_acco
+from fixtures import batch
+from workers import _engine_for, snapshot
+
+
+@dataclass(frozen=True)
+class EveryN:
+    """A deterministic stand-in for dynamic phases: this rank ends its phase after ``n``
+    micro-batches, whatever its peers do (a different n per rank puts the ranks at different
+    phase positions at every drain, reproducibly, so a resumed run can be compared bit for bit)."""
+    n: int
+
+    def ends(self, n: int, round_done: Callable[[], bool]) -> Optional[str]:
+        return "every" if n >= self.n else None
+
+
+def drain_run(case, total, drain_every, save_every=0, save_dir=None, resume_dir=None, resume_at=None):
+    """Feed ``total`` micro-batches; after every ``drain_every``-th one read the committed weights
+    (an evaluation), after every ``save_every``-th one save tag 'mb<i>' into ``save_dir``.
+    ``resume_dir``/``resume_at``: load tag 'mb<resume_at>' first and go on from there."""
+    import faulthandler
+    faulthandler.dump_traceback_later(case.get("dump_after_s", 100), exit=False)  # a hang shows where
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    schedule = engine.optimizer.schedule
+    if case.get("every"):
+        schedule.phases = EveryN(case["every"][rank])
+    start = 0
+    if resume_dir is not None:
+        path, _ = engine.load_checkpoint(resume_dir, tag=f"mb{resume_at}")
+        assert path is not None
+        start = resume_at + 1
+    sleep = case.get("sleep", [0.0, 0.0])[rank]
+    losses, points, positions = [], [], []
+    for i in range(start, total):
+        loss = engine(*batch(rank, i))
+        engine.backward(loss)
+        if sleep:
+            time.sleep(sleep)
+        engine.step()
+        losses.append(loss.item())
+        if (i + 1) % drain_every == 0:
+            positions.append(len(schedule.history))  # phases ended so far, before the drain
+            with ds_acco.committed_weights(engine):
+                points.append((i, engine.global_steps, snapshot(engine.module)))
+        if save_every and (i + 1) % save_every == 0:
+            engine.save_checkpoint(save_dir, tag=f"mb{i}")
+    with ds_acco.committed_weights(engine):
+        final = snapshot(engine.module)
+    steps = engine.global_steps
+    reasons = [p.reason for p in schedule.history]
+    engine.destroy()
+    faulthandler.cancel_dump_traceback_later()
+    return {"losses": losses, "points": points, "positions": positions, "final": final, "global_steps": steps,
+            "reasons": reasons}
