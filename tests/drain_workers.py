@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 
 import ds_acco
 from fixtures import batch
-from workers import _engine_for, snapshot
+from lifecycle_workers import _engine_for
+from workers import snapshot
 
 
 @dataclass(frozen=True)
