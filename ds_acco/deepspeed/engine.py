@@ -324,6 +324,30 @@ def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict
                             "the \"acco\" block (or gradient_accumulation_steps / fp16)")
 
 
+def _refuse_model_parallelism(model, mpu) -> None:
+    """ACCO reduces, clips and skips over the data-parallel group only: with tensor / pipeline
+    parallelism the model-parallel ranks would compute different norms and skip decisions, and
+    MoE expert parameters are partitioned over other groups. Refused until supported."""
+    def size(name):
+        fn = getattr(mpu, name, None)
+        return int(fn()) if callable(fn) else 1
+    if mpu is not None:
+        for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
+                     "get_pipeline_model_parallel_world_size"):
+            if size(name) > 1:
+                raise ValueError(f"acco.enabled = true with model parallelism: mpu.{name}() = {size(name)}; ACCO "
+                                 "reduces, clips and skips over the data-parallel group only; fix: run with tensor "
+                                 "and pipeline model-parallel sizes 1 (Megatron-DeepSpeed: --tensor-model-parallel-size 1 "
+                                 "--pipeline-model-parallel-size 1 --no-pipeline-parallel), or disable acco")
+    if model is not None:
+        from deepspeed.moe.utils import is_moe_param
+        experts = [n for n, p in model.named_parameters() if is_moe_param(p)]
+        if experts:
+            raise ValueError(f"acco.enabled = true with MoE expert parameters ({len(experts)}, e.g. {experts[0]!r}: "
+                             "param.allreduce = False); ACCO does not partition expert groups; fix: train the MoE "
+                             "model with stock ZeRO (disable acco)")
+
+
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
     """Same parameters and return value as ``deepspeed.initialize``.
 
@@ -336,6 +360,8 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
                         "deepspeed.initialize")
     raw = load_ds_config(config if config is not None else config_params, args)
     acco = acco_config_of(raw)
+    if acco.enabled:
+        _refuse_model_parallelism(model, kwargs.get("mpu"))
     _check_same_on_all_ranks(acco, raw, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
