@@ -20,6 +20,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def clear_stale_build_locks() -> None:
+    """Remove torch JIT build locks that no live process holds (see prebuild.py): a process killed
+    mid-compile would otherwise make every later DeepSpeed start wait on its lock forever."""
+    import prebuild
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        prebuild.clear_stale_locks(root, log=lambda line: print(line, flush=True))
+
+
 def _entry(rank, world, port, fn, kwargs, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
@@ -64,6 +73,8 @@ def run_ranks(fn, world: int = 2, timeout: float = None, allow_missing: bool = F
         for p in hung:
             p.kill()
             p.join()
+        if hung:  # a rank killed while compiling a DeepSpeed op leaves torch's build lock behind
+            clear_stale_build_locks()
         # DeepSpeed's CPU shm op leaves one buffer per rank and port in /dev/shm: drop ours.
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
             try:

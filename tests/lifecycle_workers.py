@@ -214,3 +214,33 @@ def universal_resume(case, load_dir, total, start):
            "optimizer": type(engine.optimizer).__name__}
     engine.destroy()
     return out
+
+
+def stop_at_same_count(case, total, save_dir):
+    """Feed ``total`` micro-batches on every rank (rank speeds differ: ``case['sleep']``), then save a
+    checkpoint (a drain), as HF Trainer or Megatron do at an agreed micro-batch count. Reports where
+    each rank stood and how the drain and save ended."""
+    import os
+    import time
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    schedule = engine.optimizer.schedule
+    sleep = case.get("sleep", {}).get(str(rank), 0.0)
+    positions, error, t0 = [], None, None
+    try:
+        for i in range(total):
+            loss = engine(*batch(rank, i))
+            engine.backward(loss)
+            if sleep:
+                time.sleep(sleep)
+            engine.step()
+            positions.append((schedule.lane.rounds_submitted, schedule.phase.value))
+        t0 = time.monotonic()
+        engine.save_checkpoint(save_dir, tag="stop")
+    except Exception as exc:  # a round its peer never joined (comm_timeout_s), or the peer gone
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    out = {"positions": positions, "error": error, "global_steps": engine.global_steps,
+           "drain_s": None if t0 is None else time.monotonic() - t0}
+    if error is None:
+        engine.destroy()
+    return out

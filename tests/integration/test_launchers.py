@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from dist import clear_stale_build_locks
 from timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,6 +100,7 @@ def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
         except ProcessLookupError:
             pass
         out, _ = proc.communicate()
+        clear_stale_build_locks()  # it may have been killed while compiling a DeepSpeed op
         return out, True
 
 
@@ -176,6 +178,8 @@ def reference() -> dict:
                 except ProcessLookupError:
                     pass
                 p.wait()
+        if timed_out:
+            clear_stale_build_locks()  # a rank may have been killed while compiling a DeepSpeed op
         outs = []
         for log in logs:
             log.seek(0)
