@@ -161,14 +161,13 @@ def soak(case, micro_batches, sample_every):
             schedule.drain()
             with open("/proc/self/statm") as f:
                 rss = int(f.read().split()[1]) * page
-            lane_pool = schedule.lane._pool
             samples.append({
                 "micro_batch": i,
                 "rss_mb": rss / 2**20,
                 "threads": threading.active_count(),
                 "os_threads": len(os.listdir("/proc/self/task")),
                 "inflight": int(schedule._inflight is not None),
-                "lane_queue": lane_pool._work_queue.qsize() if lane_pool is not None else 0,
+                "lane_queue": schedule.lane._queue.qsize(),
                 "history": len(schedule.history),
                 "metrics_records": len(engine.optimizer.driver.metrics.records),
                 "rounds_submitted": schedule.lane.rounds_submitted,

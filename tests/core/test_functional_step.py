@@ -341,8 +341,25 @@ CPU_ADAM_CONFIGS = {
 CPU_ADAM_SIZES = (1031, 37, 5)  # numel % 8 (and % 16) != 0: the kernel's scalar tail
 
 
-@pytest.mark.parametrize("name", CPU_ADAM_CONFIGS)
-def test_deepspeed_cpu_adam_estimate_is_bit_identical(name, _cached_cpu_info):
+def _isolated(fn, **kwargs):
+    """Run a DeepSpeedCPUAdam check in a fresh process: the C++ optimizer keeps process-wide state
+    (its running β^t, the op's OpenMP set-up) that earlier tests in the same process can disturb --
+    in the full suite these checks failed after the benchmark tests while passing alone."""
+    from dist import run_ranks
+    out = run_ranks(_skip_or_run, world=1, case=fn, kwargs=kwargs)[0]
+    if isinstance(out, str):
+        pytest.skip(out)
+
+
+def _skip_or_run(case, kwargs):
+    try:
+        case(**kwargs)
+    except pytest.skip.Exception as e:
+        return str(e)
+    return None
+
+
+def _cpu_adam_estimate_case(name):
     cls = _cpu_adam_class()
     torch.manual_seed(9)
     params = [torch.randn(n, requires_grad=True) for n in CPU_ADAM_SIZES]
@@ -363,7 +380,12 @@ def test_deepspeed_cpu_adam_estimate_is_bit_identical(name, _cached_cpu_info):
             assert torch.equal(out, p.detach()), f"step {step}: {(out - p).abs().max()} off"
 
 
-def test_deepspeed_cpu_adam_single_group_tracks_the_running_beta_powers(_cached_cpu_info):
+@pytest.mark.parametrize("name", CPU_ADAM_CONFIGS)
+def test_deepspeed_cpu_adam_estimate_is_bit_identical(name):
+    _isolated(_cpu_adam_estimate_case, name=name)
+
+
+def _cpu_adam_single_group_case():
     """One group with the constructor's betas: C++ multiplies β^t step by step (not pow)."""
     cls = _cpu_adam_class()
     torch.manual_seed(10)
@@ -375,6 +397,11 @@ def test_deepspeed_cpu_adam_single_group_tracks_the_running_beta_powers(_cached_
         functional_step.estimate_into(opt, params, grads, outs, 1000)
         _real_step(opt, params, grads)
         assert torch.equal(outs[0], params[0].detach()), f"step {step}"
+
+
+def test_deepspeed_cpu_adam_single_group_tracks_the_running_beta_powers():
+    """One group with the constructor's betas: C++ multiplies β^t step by step (not pow)."""
+    _isolated(_cpu_adam_single_group_case)
 
 
 def test_deepspeed_fused_adam_emulation(monkeypatch):
