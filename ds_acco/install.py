@@ -161,6 +161,14 @@ def _accelerate_backward(original: Callable) -> Callable:
         engine = self.engine
         if not _is_acco_engine(engine):
             return original(self, loss, sync_gradients=sync_gradients, **kwargs)
+        config = getattr(engine, "_acco_config", None)
+        if config is not None and config.accumulation == "dynamic":
+            raise ValueError(
+                "acco.accumulation = 'dynamic' under Accelerate / HF Trainer: the Trainer counts one optimizer step "
+                "per gradient_accumulation_steps micro-batches (max_steps, save_steps, its LR schedule, checkpoint "
+                "names) while dynamic ACCO commits a step whenever a round finishes, so the two counts drift apart; "
+                "fix: use \"accumulation\": \"fixed\" with HF Trainer, or drive the engine yourself "
+                "(engine.backward + engine.step per micro-batch, loop on engine.global_steps)")
         # ACCO decides its own phase ends from the micro-batches counted in engine.step();
         # Accelerate's sync_gradients (one optimizer step = A micro-batches) is not needed.
         if kwargs.pop("scale_wrt_gas", True) is False:

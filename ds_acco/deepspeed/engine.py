@@ -339,7 +339,7 @@ def _refuse_model_parallelism(model, mpu) -> None:
                                  "reduces, clips and skips over the data-parallel group only; fix: run with tensor "
                                  "and pipeline model-parallel sizes 1 (Megatron-DeepSpeed: --tensor-model-parallel-size 1 "
                                  "--pipeline-model-parallel-size 1 --no-pipeline-parallel), or disable acco")
-    if model is not None:
+    if hasattr(model, "named_parameters"):
         from deepspeed.moe.utils import is_moe_param
         experts = [n for n, p in model.named_parameters() if is_moe_param(p)]
         if experts:

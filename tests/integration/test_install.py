@@ -192,3 +192,11 @@ def test_accelerate_wrapper_drives_acco_engines_per_micro_batch(fake):
     wrapper.backward(0.25, sync_gradients=False, scale_wrt_gas=False)  # HF Trainer: loss already / A
     wrapper.backward(0.5, sync_gradients=True)
     assert acco.log == [("backward", 1.0, {}), ("step",), ("backward", 0.5, {}), ("step",)]
+
+    # Dynamic accumulation and the Trainer's step counting do not mix: refused, naming the fix.
+    from ds_acco.config import AccoConfig
+    dynamic = _Engine(optimizer=AccoZeroOptimizer.__new__(AccoZeroOptimizer))
+    dynamic._acco_config = AccoConfig.from_block({"enabled": True, "accumulation": "dynamic"})
+    with pytest.raises(ValueError, match="accumulation = 'dynamic' under Accelerate / HF Trainer.*fix:"):
+        accelerate_ds.DeepSpeedEngineWrapper(dynamic).backward(0.25, sync_gradients=False, scale_wrt_gas=False)
+    assert dynamic.log == []
