@@ -1,13 +1,14 @@
 """Engines that are never destroyed never affect later engines in the process: no collective from
 finalisation or garbage collection, their lane and process group released without one."""
-from dist import run_ranks
-import engine_loop_workers
-
 import torch
+
+from dist import run_ranks
+from timeouts import scaled
+import engine_loop_workers
 
 
 def test_undestroyed_engines_never_hang_and_equal_a_fresh_one():
-    out = run_ranks(engine_loop_workers.undestroyed_engines, timeout=150, engines=10, repeats=3)
+    out = run_ranks(engine_loop_workers.undestroyed_engines, timeout=scaled(60), engines=10, repeats=3)
     for rank_out in out:
         results = rank_out["results"]
         assert len(results) == 30
