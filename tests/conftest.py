@@ -43,6 +43,7 @@ def pytest_sessionstart(session):
     # subprocesses inherit it), so each op is compiled once per machine, not once per dir.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", prebuild.default_extensions_dir())
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    prebuild.interpreter_bin_first()  # one ninja for every build (see prebuild.py)
 
 
 def pytest_collection_finish(session):

@@ -95,7 +95,20 @@ def build(ops=OPS, log=print) -> list[str]:
     return done
 
 
+def interpreter_bin_first() -> None:
+    """Put this interpreter's bin directory first on PATH, so every build of the suite (this one,
+    spawned ranks, launchers, which already do so) runs the same ``ninja``. torch calls ``ninja``
+    from PATH; a venv's ninja (1.13: build log v7, rapidhash) and the system's (1.11: log v5,
+    MurmurHash) each read the other's log as stale and rebuild everything, so a suite that mixed
+    them recompiled DeepSpeed's ops (~30-50 s idle, 150 s loaded) at every switch."""
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if path[:1] != [bindir]:
+        os.environ["PATH"] = os.pathsep.join([bindir] + [p for p in path if p != bindir])
+
+
 def main() -> int:
+    interpreter_bin_first()
     root = os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     os.makedirs(root, exist_ok=True)
     clear_stale_locks(root)
