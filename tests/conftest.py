@@ -13,6 +13,11 @@ module needs them.
 """
 import glob
 import os
+
+# setuptools first: torch.utils.cpp_extension (imported by DeepSpeed's JIT op loader, e.g. inside
+# deepspeed.init_distributed) imports setuptools, whose distutils shim asserts if some earlier test
+# in this process had imported the standard library's distutils.
+import setuptools  # noqa: F401,E402
 import subprocess
 import sys
 import time
