@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_lifecycle.py: many ACCO engines in one process, none destroyed."""
+"""Rank functions for tests/deepspeed/test_engine_loop.py: many ACCO engines in one process, none destroyed."""
 from __future__ import annotations
 
 import gc
@@ -50,5 +50,9 @@ def undestroyed_engines(engines: int = 10, repeats: int = 3, micro_batches: int 
             gc.collect()
     del kept
     gc.collect()
+    # A collected engine's lane thread ends by itself once its queued rounds are done, releasing
+    # the group on its way out: give them a bounded moment.
+    for t in [t for t in threading.enumerate() if t.name == "acco-comm"]:
+        t.join(30)
     lanes = sum(1 for t in threading.enumerate() if t.name == "acco-comm")
     return {"results": results, "lanes_left": lanes, "groups_left": len(_world.pg_map) - groups_before}

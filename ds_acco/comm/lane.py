@@ -13,8 +13,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as _FutureTimeout
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,6 +26,13 @@ class CommTimeoutError(RuntimeError):
 
 class CommRoundError(RuntimeError):
     """A communication round failed on the lane (a collective raised, e.g. a peer died)."""
+
+
+class _Stop:
+    """The worker's last item: run ``then`` (if any) and end."""
+
+    def __init__(self, then: Optional[Callable[[], None]]):
+        self.then = then
 
 
 class RoundHandle:
@@ -62,7 +69,7 @@ class CommLane:
         # interpreter exit, so a round stuck in a collective would keep the process alive.
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a finaliser may run while it is held
         self.rounds_submitted = 0
 
     def submit(self, name: str, fn: Callable[[], Any]) -> RoundHandle:
@@ -109,6 +116,13 @@ class CommLane:
             run = self._queue.get()
             if run is None:
                 return
+            if isinstance(run, _Stop):
+                if run.then is not None:
+                    try:
+                        run.then()
+                    except Exception:  # the last act of an abandoned lane: nobody to report to
+                        pass
+                return
             run()
 
     def _enter_device(self) -> None:
@@ -119,12 +133,15 @@ class CommLane:
 
     def wait(self, handle: RoundHandle) -> Any:
         """Block until ``handle`` finishes; re-raise its error; bounded by ``timeout_s``."""
-        try:
-            return handle.future.result(timeout=self.timeout_s)
-        except _FutureTimeout:
+        # Waited for apart from collecting: a round's own TimeoutError (a collective's timeout is
+        # one) must be reported as that round's failure, not as this wait running out.
+        finished, _ = futures.wait([handle.future], timeout=self.timeout_s)
+        if not finished:
             raise CommTimeoutError(
                 f"communication round '{handle.name}' did not finish within {self.timeout_s:g} s "
-                "(acco.comm_timeout_s): a peer rank may have died or the network is stalled") from None
+                "(acco.comm_timeout_s): a peer rank may have died or the network is stalled")
+        try:
+            return handle.future.result()
         except (RuntimeError, OSError, TimeoutError) as exc:  # collectives report peer failures so
             raise CommRoundError(f"communication round '{handle.name}' failed: {exc} -- a peer rank may have "
                                  "died or the network failed; this rank stops here") from exc
@@ -138,5 +155,17 @@ class CommLane:
             self._queue.put(None)
             thread.join(self.timeout_s)
             self.stuck = thread.is_alive()
+
+    def stop_nowait(self, then: Optional[Callable[[], None]] = None) -> None:
+        """Ask the worker to end once the rounds already queued have finished, without waiting
+        (a finaliser may run on any thread, this lane's own included). ``then`` runs after the
+        last round, on the worker's thread (here at once if the worker never started)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            if then is not None:
+                then()
+            return
+        self._queue.put(_Stop(then))
 
     stuck = False  # close() left the worker inside a round (its collectives may still use the group)

@@ -131,6 +131,7 @@ class AccoDriver:
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(self.process_group),
             loss_scale=loss_scale, report=self._report, on_commit=self._on_commit)
         self._boundary: Optional[bool] = None
+        self._abandoned = False
         self._previous_sigterm = None
         self._stop_save: Optional[Callable[[str], None]] = None
         if dist.get_rank() == 0:
@@ -270,11 +271,33 @@ class AccoDriver:
 
     def close(self) -> None:
         """Drain, stop the lane and give SIGTERM back to the handler before ours."""
+        if self._abandoned:
+            return
         try:
             self.schedule.close()
         finally:
             self._uninstall_sigterm()
             self._release_process_group()
+
+    def abandon(self) -> None:
+        """Let go without waiting, for a finaliser or the garbage collector: they may run on any
+        thread at any point of another engine's life, this lane's own thread included (in the
+        middle of a round). So no drain, no collective, no wait. Rounds already queued still run
+        to the end on the lane's thread (every rank queued them); then that thread releases the
+        process group (a local operation for gloo) and ends. The rounds' results are dropped.
+
+        A group of another backend (NCCL) is left to the process: tearing a communicator down
+        can block on its peers in some NCCL versions. A dynamic-mode round that only this rank
+        launched stays in its collective until the group's timeout (``acco.comm_timeout_s``).
+        ``destroy()`` (a drain every rank agrees on) is the orderly end for both."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        self.schedule.abandon()
+        self._uninstall_sigterm()
+        pg, self.process_group = self.process_group, None
+        local = pg is not None and dist.is_initialized() and dist.get_backend(pg) == "gloo"
+        self.lane.stop_nowait(then=(lambda: _destroy_group(pg)) if local else None)
 
     def _release_process_group(self) -> None:
         """Give the rounds' process group back (local: no collective, so it is safe from a
@@ -283,7 +306,15 @@ class AccoDriver:
         pg, self.process_group = self.process_group, None
         if pg is None or not dist.is_initialized() or self.lane.stuck:
             return
-        try:
-            dist.destroy_process_group(pg)
-        except Exception:  # already gone (the default group was destroyed first): nothing to free
-            pass
+        _destroy_group(pg)
+
+
+def _destroy_group(pg) -> None:
+    """Local, no collective. Safe beside the main thread building the next engine's group:
+    torch's registry of groups is plain dicts, changed key by key under the GIL."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # already gone (the default group was destroyed first): nothing to free
+        pass

@@ -372,6 +372,12 @@ class AccoSchedule:
             self._closed = True
             self.lane.close()
 
+    def abandon(self) -> None:
+        """Forget the round in flight without waiting for it (see ``AccoDriver.abandon``); later
+        drains and closes do nothing."""
+        self._closed = True
+        self._inflight = None
+
     # -- internals ------------------------------------------------------------------------
     def _current_loss_scale(self) -> float:
         scale = 1.0 if self.loss_scale is None else float(self.loss_scale())

@@ -256,9 +256,21 @@ class AccoEngine(DeepSpeedEngine):
     def destroy(self):
         driver = self._acco_driver()
         if driver is not None:
-            self._acco_leave_eval_weights()
-            driver.close()
+            if self.__dict__.get("_acco_finalising"):
+                driver.abandon()  # no drain: see __del__
+            else:
+                self._acco_leave_eval_weights()
+                driver.close()
         super().destroy()
+
+    def __del__(self):
+        # DeepSpeed's finaliser calls destroy(). For ACCO that would drain: wait for the round in
+        # flight, and in dynamic mode agree on it with every rank. The garbage collector may run
+        # this on any thread at any time, this engine's own lane thread included (a self-wait) or
+        # while the peers build the next engine (a cross-rank hang). So a collected engine lets go
+        # without waiting or communicating; destroy() is the orderly end.
+        self._acco_finalising = True
+        super().__del__()
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's save, drained first, with the committed θ as the model weights and ACCO's

@@ -237,6 +237,14 @@ class AccoFSDP:
                 m.set_reshard_after_backward(True, recurse=False)
 
 
+    def __del__(self):
+        # Collected without close(): let go without waiting or communicating (AccoDriver.abandon);
+        # the model's hooks hold this adapter, so the model is being collected too.
+        driver = self.__dict__.get("driver")
+        if driver is not None:
+            driver.abandon()
+
+
 def _accumulate_into(grad: torch.Tensor):
     def hook(p: torch.Tensor) -> None:
         # G += this micro-batch's gradient (cast to the reduce dtype); FSDP then sees no grad.

@@ -1,0 +1,61 @@
+"""The communication lane on its own (no process group): errors, bounds, stopping."""
+import threading
+
+import pytest
+
+from ds_acco.comm.lane import CommLane, CommRoundError, CommTimeoutError
+
+
+def test_a_rounds_own_timeout_error_is_reported_as_that_rounds_failure():
+    # gloo reports a collective that timed out as TimeoutError, the same class that Future.result
+    # raises when a wait runs out (Python >= 3.11): the lane must tell them apart.
+    lane = CommLane(timeout_s=30)
+
+    def round_fn():
+        raise TimeoutError("Gloo connectFullMesh timed out")
+    with pytest.raises(CommRoundError, match="connectFullMesh"):
+        lane.wait(lane.submit("estimate 3", round_fn))
+    lane.close()
+
+
+def test_a_wait_that_runs_out_is_a_timeout_naming_the_setting():
+    lane = CommLane(timeout_s=0.2)
+    release = threading.Event()
+    handle = lane.submit("commit 7", lambda: release.wait(30))
+    with pytest.raises(CommTimeoutError, match=r"'commit 7'.*acco\.comm_timeout_s"):
+        lane.wait(handle)
+    release.set()
+    lane.close()
+
+
+def test_stop_nowait_returns_at_once_and_runs_then_after_the_queued_rounds():
+    lane = CommLane(timeout_s=30)
+    release = threading.Event()
+    order = []
+    lane.submit("round 1", lambda: (release.wait(30), order.append("round 1")))
+    lane.submit("round 2", lambda: order.append("round 2"))
+    thread = lane._thread
+    lane.stop_nowait(then=lambda: order.append("then"))
+    assert order == [] and thread.is_alive()  # did not wait for the busy worker
+    release.set()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert order == ["round 1", "round 2", "then"]
+
+
+def test_stop_nowait_from_the_lanes_own_thread_does_not_deadlock():
+    # The garbage collector may finalise an engine on its own lane's thread, inside a round.
+    lane = CommLane(timeout_s=30)
+    order = []
+    handle = lane.submit("round 1", lambda: lane.stop_nowait(then=lambda: order.append("then")))
+    thread = lane._thread
+    lane.wait(handle)
+    thread.join(30)
+    assert not thread.is_alive() and order == ["then"]
+
+
+def test_stop_nowait_without_a_worker_runs_then_here():
+    lane = CommLane(synchronous=True)
+    order = []
+    lane.stop_nowait(then=lambda: order.append("then"))
+    assert order == ["then"]
