@@ -330,6 +330,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
     variants = {}
     for name, runs in grouped.items():
         steps, tps, busy, exposed, comm, mem, tokens_per_step, mbs = [], [], [], [], [], [], [], []
+        train_mem = []
         curves, held = [], []
         for run in runs:
             tokens = step_tokens(run, world, gas, tok_mb)
@@ -341,6 +342,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             tokens_per_step += [tokens[c["step"]] for c in steady]
             busy += [b for b in (rank_busy(r, warmup, gas, name) for r in run["ranks"]) if b is not None]
             mem += [r["peak_rss_delta"] for r in run["ranks"] if r["peak_rss_delta"] is not None]
+            train_mem += [r["peak_rss_train_delta"] for r in run["ranks"] if r.get("peak_rss_train_delta") is not None]
             steady_ids = {c["step"] for c in steady}
             for m in r0["acco_metrics"]:
                 if m["step"] in steady_ids:
@@ -382,6 +384,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             "comm_s": _median(comm), "comm_isolated_s": t_comm_iso, "overlap_efficiency": overlap,
             "ideal_step_s": ideal, "vs_ideal": (med_step / ideal) if ideal and med_step else None,
             "compute_busy": _median(busy), "peak_mem_delta_bytes": max(mem) if mem else None,
+            "peak_mem_train_delta_bytes": max(train_mem) if train_mem else None,
             "train_curve": curves[0], "heldout_curve": held[0],
             "final_heldout": held[0][-1]["loss"] if held[0] else None,
             "predicted_step_s": pred.step_s if pred is not None else None,

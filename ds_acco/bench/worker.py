@@ -400,6 +400,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
         if eval_every and engine.global_steps >= next_eval and engine.global_steps < steps:
             evaluate()
             next_eval = (engine.global_steps // eval_every + 1) * eval_every
+    train_peak = peak_rss()  # before the last evaluation (periodic ones, if any, are inside)
     evaluate()  # drains: the last steps commit here
     wall = time.perf_counter() - t_start
     metrics = engine.metrics_history()
@@ -413,6 +414,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
             "mb_loss": mb_loss, "mb_compute_s": mb_compute, "mb_step": mb_step, "commits": commits,
             "heldout": heldout, "acco_metrics": [_plain(m) for m in metrics], "wall_s": wall,
             "peak_rss_delta": None if peak is None or baseline_rss is None else peak - baseline_rss,
+            "peak_rss_train_delta": None if train_peak is None or baseline_rss is None else train_peak - baseline_rss,
             "baseline_rss": baseline_rss, "slow_factor": slow}
 
 

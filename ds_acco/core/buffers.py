@@ -19,7 +19,7 @@ layout (everything flat, live and B in the same order); the FSDP2 adapter has it
 from __future__ import annotations
 
 import abc
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -117,13 +117,32 @@ class BufferGroup(abc.ABC):
     def swap_live_and_gathered(self) -> None:
         """Exchange the live weights and the gathered parameters in B (``committed_weights``)."""
 
-    @abc.abstractmethod
+    # -- in-flight state for checkpoints: G whole, the rest as this rank's shard ------------------
     def export_state(self, swapped: bool) -> dict:
-        """G, the live weights and B's gathered parameters as the compute lane sees them (CPU)."""
+        """G, and this rank's shard of the live weights and of B's gathered parameters, as the
+        compute lane sees them (CPU copies). Live weights and gathered parameters are the same on
+        every rank, so the shards are enough: :meth:`import_state` all-gathers them back. ``swapped``:
+        inside ``committed_weights``, where the two hold each other's contents."""
+        live, gathered = self.live_shard_views(), self.shard_views(self.gather_view())
+        if swapped:
+            live, gathered = gathered, live
+        cpu = lambda views: [v.detach().to("cpu", copy=True) for v in views]  # noqa: E731
+        return {"grads": self.grads.detach().to("cpu", copy=True), "live_shard": cpu(live),
+                "gathered_shard": cpu(gathered)}
 
-    @abc.abstractmethod
-    def import_state(self, state: dict) -> None:
-        """Restore :meth:`export_state`'s output."""
+    def import_state(self, state: dict, gather: Callable[[torch.Tensor], None]) -> None:
+        """Restore :meth:`export_state`'s output. ``gather(flat)`` all-gathers every rank's segment
+        of a rank-major flat tensor in place (a collective: every rank imports at once). B carries
+        the live weights first, then its own gathered parameters: no other full-size buffer."""
+        with torch.no_grad():
+            self.grads.copy_(state["grads"])
+            flat = self.gather_view()
+            for key in ("live_shard", "gathered_shard"):
+                for dst, src in zip(self.shard_views(flat), state[key], strict=True):
+                    dst.copy_(src)
+                gather(flat)
+                if key == "live_shard":
+                    self.unpack_into_live()
 
     @abc.abstractmethod
     def layout(self) -> list:
@@ -170,17 +189,6 @@ class FlatBuffers(BufferGroup):
 
     def swap_live_and_gathered(self) -> None:
         swap_(self.live, self.gather_view())
-
-    def export_state(self, swapped: bool) -> dict:
-        live, gathered = (self.gather_view(), self.live) if swapped else (self.live, self.gather_view())
-        return {k: t.detach().to("cpu", copy=True) for k, t in (("grads", self.grads), ("live", live),
-                                                                 ("gathered", gathered))}
-
-    def import_state(self, state: dict) -> None:
-        with torch.no_grad():
-            self.grads.copy_(state["grads"])
-            self.live.copy_(state["live"])
-            self.gather_view().copy_(state["gathered"])
 
     def layout(self) -> list:
         return [self.world * self.segment, str(self.comm_dtype), str(self.live_dtype)]

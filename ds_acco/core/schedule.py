@@ -46,6 +46,7 @@ from typing import Callable, Deque, List, Optional, Sequence
 
 from torch.profiler import record_function
 
+from ..comm import collectives
 from ..comm.lane import CommLane, RoundHandle
 from .buffers import BufferGroup
 from .phases import FixedPhases, PhaseKind, PhaseRecord, Tally
@@ -110,7 +111,7 @@ class AccoSchedule:
             before the next round is launched (the LR scheduler advances there).
     """
 
-    STATE_VERSION = 2
+    STATE_VERSION = 3  # 3: live weights and B's parameters saved as this rank's shard
 
     def __init__(self, groups: Sequence[BufferGroup], shard_optimizer, lane: CommLane, *, process_group,
                  rank: int, world: int, options: ScheduleOptions, reduce_scatter: bool = False,
@@ -326,8 +327,13 @@ class AccoSchedule:
                                       ("layout", [g.layout() for g in self.groups])) if state.get(k) != mine]
         if mismatch:
             raise ValueError(f"ACCO in-flight state does not fit this run ({', '.join(mismatch)} differ)")
+        ctx = self.context
+        # The shards are all-gathered on the lane (the rounds' group; drained, so it is free):
+        # every rank loads at the same point.
+        gather = lambda flat: self.lane.wait(self.lane.submit(  # noqa: E731
+            "load: all-gather", lambda: collectives.gather_in_place(flat, ctx.rank, ctx.world, ctx.process_group)))
         for g, saved in zip(self.groups, state["groups"]):
-            g.import_state(saved)
+            g.import_state(saved, gather)
         self.phase = PhaseKind(state["phase"])
         self.step_index = state["step_index"]
         self.committed_steps = state["committed_steps"]

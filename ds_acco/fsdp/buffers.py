@@ -131,34 +131,6 @@ class FSDPBuffers(BufferGroup):
                 if length:
                     swap_(s.live.narrow(0, start, length), cols[r].narrow(0, s.offset, length))
 
-    def _live_flat(self) -> torch.Tensor:
-        return torch.cat([s.live for s in self.slots]).cpu()
-
-    def export_state(self, swapped: bool) -> dict:
-        """G (param-major), the live weights (param-major, model dtype) and B's gathered parameters
-        (rank-major), as the compute lane sees them."""
-        live, gathered = self._live_flat(), self.gather_view().detach().to("cpu", copy=True)
-        if swapped:  # inside committed_weights: the two hold each other's contents
-            as_live = torch.empty_like(live)
-            as_gathered = torch.zeros_like(gathered)
-            start = 0
-            for s in self.slots:
-                n = s.live.numel()
-                self._from_comm(s, gathered, as_live.narrow(0, start, n))
-                self._to_comm(s, live.narrow(0, start, n), as_gathered)
-                start += n
-            live, gathered = as_live, as_gathered
-        return {"grads": self.grads.detach().to("cpu", copy=True), "live": live, "gathered": gathered}
-
-    def import_state(self, state: dict) -> None:
-        with torch.no_grad():
-            self.grads.copy_(state["grads"])
-            self.gather_view().copy_(state["gathered"])
-            start = 0
-            for s in self.slots:
-                s.live.copy_(state["live"].narrow(0, start, s.live.numel()))
-                start += s.live.numel()
-
     def layout(self) -> list:
         return [self.world, self.segment, str(self.comm_dtype), str(self.live_dtype),
                 [list(s.param.shape) for s in self.slots]]

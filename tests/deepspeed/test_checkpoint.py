@@ -42,6 +42,23 @@ def test_resume_in_new_processes_is_bit_identical(saved):
             assert got["global_steps"] == full[rank]["global_steps"]
 
 
+def test_checkpoint_adds_only_g_and_this_ranks_shards(saved):
+    """Per rank, ACCO adds G and two shards (its part of the live weights and of B's parameters) to
+    stock ZeRO-1's files: never a full-size copy of the weights."""
+    from ds_acco.deepspeed.optimizer import ACCO_STATE_KEY
+    name, _, save_dir, _, _ = saved
+    for i in SAVE_AT:
+        for rank in (0, 1):
+            sd = torch.load(os.path.join(save_dir, f"mb{i}", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+                            weights_only=False)
+            acco = sd["optimizer_state_dict"][ACCO_STATE_KEY]
+            for group in acco["groups"]:
+                full = group["grads"].numel()
+                assert set(group) == {"grads", "live_shard", "gathered_shard"}, (name, i)
+                for key in ("live_shard", "gathered_shard"):
+                    assert sum(t.numel() for t in group[key]) * 2 <= full, (name, i, key)
+
+
 def test_saving_does_not_perturb_training(saved):
     name, case, _, full, _ = saved
     plain = run_ranks(workers.train_cases, cases=[dict(case, steps=TOTAL // 4, gas=4)])[0][0]
