@@ -35,6 +35,13 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     p.add_argument("--subnet", type=int, default=0, help="10.250.<subnet>.0/24 inside the namespaces")
     p.add_argument("--slow-rank", type=int, default=-1, help="rank whose compute is slowed (heterogeneous run)")
     p.add_argument("--slow-factor", type=float, default=1.0, help="that rank computes this many times slower")
+    p.add_argument("--emulate-compute-s", default=None,
+                   help="accelerator emulation: seconds of waiting (no CPU) per training micro-batch's forward + "
+                        "backward, one value or one per rank comma-separated; results are labelled EMULATION "
+                        "(see ds_acco/bench/emulation.py); needs --emulate-params")
+    p.add_argument("--emulate-params", type=float, default=None,
+                   help="accelerator emulation: parameters the rounds carry (e.g. 125e6); the loss comes from a "
+                        "small GPT (--n-embd/--n-layer/--n-head), the rest is a zero-gradient bulk parameter")
     p.add_argument("--dry-run", action="store_true", help="resolve and check the configs, variants and every rank's "
                    "command; print them as JSON and launch nothing")
     if not probe_only:
@@ -52,6 +59,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
         p.add_argument("--target-loss", type=float, default=None, help="time-to-target threshold (default: "
                        "stock's final held-out loss + 1%%)")
         p.add_argument("--label", default=None, help="file name stem of this run's outputs")
+        p.add_argument("--memory", action="store_true", help="peak-memory measurement: one variant, run first in "
+                       "fresh processes (no warm-up run, probe after), peak RSS from before its model is built "
+                       "(scripts/memory_bench.sh runs every variant this way, repeated, order rotated)")
 
 
 def parse_variants(text: str) -> tuple:
@@ -65,13 +75,24 @@ def parse_variants(text: str) -> tuple:
     return tuple(out)
 
 
+def _compute_s(text):
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise SystemExit(f"--emulate-compute-s {text!r}: seconds, one value or one per rank comma-separated") from None
+    return values[0] if len(values) == 1 else values
+
+
 def _spec(a, **over) -> runner.ABSpec:
     kw = dict(world=a.world, rate=a.rate, network=a.network, gas=a.gas, micro_batch=a.micro_batch,
               seq_len=a.seq_len, n_embd=a.n_embd, n_layer=a.n_layer, n_head=a.n_head, base_config=a.config,
               seed=a.seed, timeout_s=a.timeout, prefix=a.prefix, subnet=a.subnet, slow_rank=a.slow_rank,
-              slow_factor=a.slow_factor)
+              slow_factor=a.slow_factor, emulate_compute_s=_compute_s(a.emulate_compute_s),
+              emulate_params=None if a.emulate_params is None else int(a.emulate_params))
     for k in ("steps", "warmup", "repeat", "eval_every", "eval_batches", "dynamic_min", "dynamic_max",
-              "target_loss", "label"):
+              "target_loss", "label", "memory"):
         if hasattr(a, k):
             kw[k] = getattr(a, k)
     if hasattr(a, "variants"):

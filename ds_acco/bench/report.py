@@ -48,6 +48,8 @@ def markdown_table(summary: dict) -> str:
              f"{summary['steps'] - summary['warmup']} timed steps after {summary['warmup']} warm-up"
              + _baseline_note(summary["variants"]),
              "", head, "|" + "---|" * (head.count("|") - 1)]
+    if summary.get("emulation"):
+        lines[0:0] = [f"**{summary['emulation']}**", ""]
     for k in ordered(summary["variants"]):
         v = summary["variants"][k]
         sp = v.get("step_spread") or {}

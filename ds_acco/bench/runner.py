@@ -16,7 +16,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import configs
 from . import advisor, cluster
@@ -63,9 +63,26 @@ class ABSpec:
     prefix: str = "accob"
     subnet: int = 0
     label: Optional[str] = None
+    # Accelerator emulation (bench/emulation.py): seconds of waiting per training micro-batch
+    # (one value, or one per rank) and the parameter count the rounds carry. None: real compute.
+    emulate_compute_s: Optional[Union[float, Sequence[float]]] = None
+    emulate_params: Optional[int] = None
+    # Memory measurement: the one variant first in fresh processes, no warm-up run, probe after.
+    memory: bool = False
 
     def __post_init__(self):
         self.variants = tuple(self.variants)
+        if (self.emulate_compute_s is None) != (self.emulate_params is None):
+            raise ValueError("accelerator emulation needs both emulate_compute_s (--emulate-compute-s) and "
+                             f"emulate_params (--emulate-params); got {self.emulate_compute_s!r} and "
+                             f"{self.emulate_params!r}")
+        if self.memory and (len(self.variants) != 1 or self.repeat != 1):
+            raise ValueError(f"memory = true measures one variant per launch (got {list(self.variants)} x "
+                             f"{self.repeat}): in one process a later run reuses the heap an earlier one freed; "
+                             "fix: one --variants value and --repeat 1 per launch (scripts/memory_bench.sh loops)")
+        if isinstance(self.emulate_compute_s, (list, tuple)) and len(self.emulate_compute_s) != self.world:
+            raise ValueError(f"emulate_compute_s has {len(self.emulate_compute_s)} values for {self.world} ranks; "
+                             "fix: one per rank, or one for all")
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad:
             raise ValueError(f"variants {bad}: unknown; use any of {', '.join(VARIANTS)} (or 'all', 'fsdp' on the "
@@ -86,7 +103,8 @@ class ABSpec:
             return self.label
         rate = (self.rate or "unshaped").replace(",", "-")
         slow = f"-slow{self.slow_rank}x{self.slow_factor:g}" if self.slow_rank >= 0 else ""
-        return f"w{self.world}-{rate}-gas{self.gas}{slow}"
+        emu = "-emulated" if self.emulate_params is not None else ""
+        return f"w{self.world}-{rate}-gas{self.gas}{slow}{emu}"
 
     def worker_spec(self, raw_out: str) -> dict:
         return {"world": self.world, "gas": self.gas, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
@@ -95,7 +113,10 @@ class ABSpec:
                 "eval_every": self.eval_every, "eval_batches": self.eval_batches, "slow_rank": self.slow_rank,
                 "slow_factor": self.slow_factor, "dynamic_min": self.dynamic_min, "dynamic_max": self.dynamic_max,
                 "base_config": os.path.abspath(configs.resolve(self.base_config)), "raw_out": os.path.abspath(raw_out),
-                "threads": 1}
+                "threads": 1,
+                "memory": self.memory,
+                "emulate": None if self.emulate_params is None else {
+                    "params": int(self.emulate_params), "compute_s": self.emulate_compute_s}}
 
 
 def _free_port() -> int:
@@ -425,7 +446,15 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             "probe_round_s": probe.round_s, "probe_bandwidth_gbit": probe.bandwidth_gbit,
             "advice": advice.as_dict(), "validation": advisor.validate(points), "variants": variants,
             "machine": raw.get("machine"), "date": raw.get("date"), "command": raw.get("command"),
-            "slow_rank": ws.get("slow_rank", -1), "slow_factor": ws.get("slow_factor", 1.0)}
+            "slow_rank": ws.get("slow_rank", -1), "slow_factor": ws.get("slow_factor", 1.0),
+            "emulation": _emulation_note(ws.get("emulate"))}
+
+
+def _emulation_note(emulate: Optional[dict]) -> Optional[str]:
+    if not emulate:
+        return None
+    from .emulation import describe
+    return describe(emulate["params"], emulate["compute_s"])
 
 
 def machine_info() -> dict:

@@ -48,10 +48,16 @@ def is_fsdp(variant: str) -> bool:
 
 
 # -- model ---------------------------------------------------------------------------------------
-def build_model(spec: dict) -> CausalLM:
-    """The reference GPT (:mod:`ds_acco.gpt`) at the spec's size, from the spec's seed."""
+def build_model(spec: dict, rank: int = 0) -> CausalLM:
+    """The reference GPT (:mod:`ds_acco.gpt`) at the spec's size, from the spec's seed; with
+    ``spec['emulate']``, the accelerator stand-in of :mod:`ds_acco.bench.emulation` instead."""
     torch.manual_seed(spec["seed"])  # same initial weights in every variant
     m = spec["model"]
+    emulate = spec.get("emulate")
+    if emulate:
+        from .emulation import EmulatedLM, compute_for_rank
+        return EmulatedLM(spec["seq_len"], emulate["params"], compute_for_rank(emulate["compute_s"], rank),
+                          m["n_embd"], m["n_layer"], m["n_head"])
     return CausalLM(spec["seq_len"], m["n_embd"], m["n_layer"], m["n_head"])
 
 
@@ -286,7 +292,7 @@ def _timed(fn, reps: int) -> List[float]:
 
 def probe(spec: dict, stream, rank: int, world: int) -> dict:
     """Compute-only and communication-only timings on this setup (see the module docstring)."""
-    model = build_model(spec)
+    model = build_model(spec, rank)
     n_params = sum(p.numel() for p in model.parameters())
     slow = spec.get("slow_factor", 1.0) if rank == spec.get("slow_rank", -1) else 1.0
 
@@ -342,7 +348,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
     gas, steps = spec["gas"], spec["steps"]
     slow = spec.get("slow_factor", 1.0) if rank == spec.get("slow_rank", -1) else 1.0
     baseline_rss = reset_peak_rss()
-    model = build_model(spec)
+    model = build_model(spec, rank)
     engine = make_trainer(variant, model, cfg)
     acco = engine.acco
     stream = micro_batches(train_rows, spec["micro_batch"], rank, world, spec["seed"])
@@ -454,20 +460,30 @@ def main(argv=None) -> None:
     train_rows, heldout_rows = build_splits(spec.get("data", "embedded"), seq_len=spec["seq_len"], holdout=0.02,
                                             seed=0)
     probe_stream = micro_batches(train_rows, spec["micro_batch"], rank, world, spec["seed"] + 1)
-    if rank == 0:
-        say(f"probe: compute per micro-batch and collectives at world size {world}")
-    pr = probe(spec, probe_stream, rank, world)
-    if rank == 0:
-        say(f"probe: {pr['n_params']:,} parameters, {pr['micro_batch_s'] * 1e3:.0f} ms per micro-batch, "
-            f"all-reduce {pr['all_reduce_s'] * 1e3:.0f} ms, all-gather {pr['all_gather_s'] * 1e3:.0f} ms, "
-            f"latency {pr['latency_s'] * 1e6:.0f} us")
-    probes = [None] * world
-    dist.all_gather_object(probes, pr)
-    if spec.get("memory_warmup", True) and spec["variants"]:
-        # One untimed step of stock ZeRO-1 first: one-off allocations (gloo buffers, DeepSpeed's ops,
-        # allocator arenas) then do not land in the first measured variant's peak memory.
+    memory = spec.get("memory", False)
+
+    def run_probe() -> list:
         if rank == 0:
-            say("warm-up: one untimed stock step (keeps one-off allocations out of the memory figures)")
+            say(f"probe: compute per micro-batch and collectives at world size {world}")
+        pr = probe(spec, probe_stream, rank, world)
+        if rank == 0:
+            say(f"probe: {pr['n_params']:,} parameters, {pr['micro_batch_s'] * 1e3:.0f} ms per micro-batch, "
+                f"all-reduce {pr['all_reduce_s'] * 1e3:.0f} ms, all-gather {pr['all_gather_s'] * 1e3:.0f} ms, "
+                f"latency {pr['latency_s'] * 1e6:.0f} us")
+        probes = [None] * world
+        dist.all_gather_object(probes, pr)
+        return probes
+
+    # A memory measurement (``memory``) runs its one variant first in a fresh process, the probe
+    # after: the peak then covers everything the variant allocates from before its model is built,
+    # with no heap left behind by another run to hide its transients.
+    probes = None if memory else run_probe()
+    if not memory and spec["variants"]:
+        # One untimed step of stock ZeRO-1 first: one-off allocations (gloo buffers, DeepSpeed's ops,
+        # allocator arenas) then do not land in the first measured variant's peak memory. It also
+        # lets a later stock run reuse that step's freed heap: use ``memory`` for memory figures.
+        if rank == 0:
+            say("warm-up: one untimed stock step")
         first = "fsdp_stock" if all(is_fsdp(v) for v in spec["variants"]) else "stock"
         run_variant(first, {**spec, "steps": 1, "eval_batches": 1}, base_cfg, train_rows, heldout_rows, rank, world,
                     lambda msg: None)
@@ -485,6 +501,8 @@ def main(argv=None) -> None:
             with open(spec["raw_out"] + ".part", "w") as f:  # survives a later failure
                 json.dump({"spec": spec, "probe": probes, "runs": runs}, f)
         dist.barrier()
+    if probes is None:
+        probes = run_probe()
     if rank == 0:
         with open(spec["raw_out"], "w") as f:
             json.dump({"spec": spec, "probe": probes, "runs": runs}, f)

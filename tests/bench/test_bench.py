@@ -406,3 +406,47 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
         assert [p["loss"] for p in v[b]["train_curve"]] == pytest.approx([p["loss"] for p in v[a]["train_curve"]],
                                                                           rel=1e-4)
     assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+# -- accelerator emulation --------------------------------------------------------------------------
+def test_emulated_compute_takes_wall_time_not_cpu_and_keeps_the_small_gpts_loss():
+    import torch
+    from ds_acco.bench.emulation import EmulatedLM
+    from ds_acco.gpt import CausalLM
+    torch.manual_seed(0)
+    model = EmulatedLM(8, params=2_000_000, compute_s=0.6, n_embd=32, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    plain = CausalLM(8, 32, 1, 2)
+    assert sum(p.numel() for p in model.parameters()) == 2_000_000
+    rows = torch.randint(0, 256, (2, 9))
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    loss = model(rows)
+    loss.backward()
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    assert wall >= 0.6  # the accelerator's forward + backward, waited for
+    assert cpu < 0.5 * wall  # ... without the CPU (a busy-wait or real compute would fail this)
+    assert torch.equal(loss.detach(), plain(rows).detach())  # the bulk adds exactly nothing to the loss
+    assert model.bulk.grad is not None and model.bulk.grad.shape == model.bulk.shape  # a real, full-size gradient
+    assert not model.bulk.grad.any()
+    model.eval()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(rows)
+    assert time.perf_counter() - t0 < 0.3  # evaluation does not wait
+
+
+def test_emulation_is_named_in_the_spec_and_labelled_in_the_report(tmp_path):
+    with pytest.raises(ValueError, match="emulate_params"):
+        runner.ABSpec(emulate_compute_s=0.4)
+    with pytest.raises(ValueError, match="one per rank"):
+        runner.ABSpec(world=2, emulate_compute_s=[0.4, 0.5, 0.6], emulate_params=10 ** 6)
+    spec = runner.ABSpec(world=2, rate="1gbit", gas=8, emulate_compute_s=[0.4, 0.6], emulate_params=16 * 10 ** 6)
+    assert spec.name() == "w2-1gbit-gas8-emulated"
+    ws = spec.worker_spec(str(tmp_path / "x.raw.json"))
+    assert ws["emulate"] == {"params": 16 * 10 ** 6, "compute_s": [0.4, 0.6]}
+    raw = _raw()
+    raw["spec"] = dict(raw["spec"], emulate=ws["emulate"])
+    s = runner.summarize(raw, spec)
+    assert s["emulation"].startswith("EMULATION")
+    assert report.markdown_table(s).startswith("**EMULATION")
+    assert runner.summarize(_raw(), runner.ABSpec())["emulation"] is None

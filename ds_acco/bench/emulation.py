@@ -1,0 +1,91 @@
+"""Accelerator emulation for the A/B runner: compute that costs wall time but no CPU.
+
+On a CPU-only host a round's CPU work (gloo's copies and reductions, the shard optimizer step)
+competes with the compute it overlaps, so CPU benchmarks cannot show what ACCO does on GPUs,
+where forward and backward run on the accelerator and the host CPU is free for the
+communication thread. This module stands in for the accelerator:
+
+* each training micro-batch's forward + backward costs ``compute_s`` seconds of wall time spent
+  waiting (``time.sleep`` releases the GIL and uses no CPU): the accelerator's time, calibrated
+  from a real GPU or the paper's settings;
+* the gradients are real and full-size: a small real GPT gives the loss, and a "bulk" parameter
+  brings the model to ``params`` elements. Its gradient is exactly zero (AdamW then leaves it at
+  zero), so the loss and its curve are those of the small GPT, but it fills G, travels in every
+  round and is stepped by the optimizer like any parameter: real buffers, real rounds, over the
+  real (emulated) network.
+
+Results measured this way are emulation and are labelled so wherever they are reported
+(``summary['emulation']``, the Markdown table's header). The loss curves of an emulated run
+are not a fidelity result (the small GPT learns, the bulk does not): fidelity comes from real
+runs of the GPT at equal tokens.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ds_acco.gpt import CausalLM
+
+
+class EmulatedLM(CausalLM):
+    """A :class:`~ds_acco.gpt.CausalLM` of ``params`` parameters whose training forward +
+    backward take ``compute_s`` seconds of wall time, nearly all of it a wait.
+
+    A third of the wait ends the forward and two thirds run in the backward (the usual 1 : 2
+    split), so gradients become ready when an accelerator's would.
+    Evaluation (``eval()`` or no grad) does not wait.
+    """
+
+    def __init__(self, seq_len: int, params: int, compute_s: float, n_embd: int = 64, n_layer: int = 1,
+                 n_head: int = 2):
+        super().__init__(seq_len, n_embd, n_layer, n_head)
+        core = sum(p.numel() for p in self.lm.parameters())
+        if params < core:
+            raise ValueError(f"emulate_params = {params}: below the {core} parameters of the small GPT that gives the "
+                             f"loss; fix: at least {core}")
+        if not compute_s >= 0:
+            raise ValueError(f"emulate_compute_s = {compute_s!r}: must be >= 0 seconds per micro-batch")
+        self.compute_s = float(compute_s)
+        self.bulk = torch.nn.Parameter(torch.zeros(params - core))
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(rows)
+        if not (self.training and torch.is_grad_enabled()):
+            return loss
+        _wait(self.compute_s / 3)  # the forward; the backward takes twice as long
+        # d(loss)/d(bulk) = 0 exactly: one elementwise pass to materialise it (cheap on CPU).
+        loss = loss + self.bulk.sum() * 0.0
+        loss.register_hook(_waiting_hook(2 * self.compute_s / 3))
+        return loss
+
+
+def _wait(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def _waiting_hook(seconds: float):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        _wait(seconds)
+        return grad
+    return hook
+
+
+def compute_for_rank(compute_s: Union[float, Sequence[float]], rank: int) -> float:
+    """One value for every rank, or one per rank (heterogeneous accelerators)."""
+    if isinstance(compute_s, (int, float)):
+        return float(compute_s)
+    values = list(compute_s)
+    if rank >= len(values):
+        raise ValueError(f"emulate_compute_s has {len(values)} values for rank {rank}; fix: one per rank, or one "
+                         "for all")
+    return float(values[rank])
+
+
+def describe(params: Optional[int], compute_s) -> str:
+    per = (f"{compute_s:g} s" if isinstance(compute_s, (int, float))
+           else "/".join(f"{c:g}" for c in compute_s) + " s (per rank)")
+    return (f"EMULATION: accelerator stand-in, {per} of waiting per training micro-batch (forward + backward, no "
+            f"CPU), real gradients and rounds of a {params / 1e6:.1f}M-parameter model over the network shown")

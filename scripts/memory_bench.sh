@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Peak memory per rank of stock ZeRO-1, ACCO fixed, ACCO dynamic and DPU: each variant in its own
+# fresh processes (python -m ds_acco.bench ab --memory), REPEATS times with the order rotated, then
+# the medians. Peak RSS is counted from before the model is built to the end of training and the
+# final evaluation; "one buffer" B is the model's size in the communication dtype.
+#   scripts/memory_bench.sh [OUT_DIR] [extra ab arguments...]
+# Defaults: the 43M-parameter GPT (6 x 768), 2 ranks on loopback, gradient_accumulation_steps 4.
+set -euo pipefail
+OUT=${1:-bench_results/memory}
+shift || true
+REPEATS=${REPEATS:-3}
+PY=${PYTHON:-python}
+VARIANTS=(stock fixed dynamic dpu)
+ARGS=(--network loopback --world 2 --n-embd 768 --n-layer 6 --n-head 12 --gas 4 --steps 3 --warmup 1 "$@")
+for ((r = 0; r < REPEATS; r++)); do
+  for ((k = 0; k < ${#VARIANTS[@]}; k++)); do
+    v=${VARIANTS[$(((k + r) % ${#VARIANTS[@]}))]}
+    echo "== repeat $((r + 1))/$REPEATS: $v"
+    "$PY" -m ds_acco.bench ab --memory "${ARGS[@]}" --variants "$v" --out "$OUT/r$r-$v" --label "mem-$v-r$r" >"$OUT.r$r-$v.log" 2>&1 \
+      || { echo "failed: see $OUT.r$r-$v.log"; exit 1; }
+  done
+done
+"$PY" - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+out = sys.argv[1]
+peaks, buf = {}, None
+for path in glob.glob(os.path.join(out, "r*-*", "mem-*.json")):
+    if path.endswith(".raw.json") or path.endswith(".spec.json"):
+        continue
+    s = json.load(open(path))
+    for name, v in s["variants"].items():
+        peaks.setdefault(name, []).append(v["peak_mem_delta_bytes"] / 2 ** 20)
+    buf = s["model_bytes_comm_dtype"] / 2 ** 20
+stock = statistics.median(peaks["stock"])
+rows = [f"one buffer B = {buf:.0f} MiB; target: ACCO <= stock + 1.25 B = stock + {1.25 * buf:.0f} MiB", "",
+        "| variant | peak RSS Δ MiB, median (runs) | − stock | in B |", "|---|---|---|---|"]
+for name in ("stock", "fixed", "dynamic", "dpu"):
+    if name in peaks:
+        m = statistics.median(peaks[name])
+        runs = " / ".join(f"{p:.0f}" for p in sorted(peaks[name]))
+        rows.append(f"| {name} | {m:.0f} ({runs}) | {m - stock:+.0f} | {(m - stock) / buf:+.2f} |")
+text = "\n".join(rows)
+print(text)
+open(os.path.join(out, "memory.md"), "w").write(text + "\n")
+PY
