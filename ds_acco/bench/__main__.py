@@ -167,6 +167,17 @@ def cmd_summarize(a) -> int:
     return 0
 
 
+def cmd_sweep(a) -> int:
+    paths = [p for pat in a.paths for p in sorted(glob.glob(pat))]
+    summaries = report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith((".raw.json", ".spec.json"))])
+    if not summaries:
+        print("no summaries found", file=sys.stderr)
+        return 1
+    for p in report.write_sweep(summaries, a.out):
+        print(f"wrote {p}")
+    return 0
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -202,6 +213,11 @@ def main(argv=None) -> int:
     sm.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
     sm.add_argument("--out", default="bench_results")
     sm.set_defaults(fn=cmd_summarize)
+    sw = sub.add_parser("sweep", help="speedup against the communication / compute ratio, with the ideal curves "
+                        "(scripts/emulation_sweep.sh)")
+    sw.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
+    sw.add_argument("--out", default="bench_results")
+    sw.set_defaults(fn=cmd_sweep)
     a = p.parse_args(argv)
     # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
     # (ranks killed, namespaces deleted) instead of dying or being ignored.

@@ -204,3 +204,87 @@ def write_matrix(summaries: Sequence[dict], out_dir: str) -> List[str]:
     ax.set_title("advisor: predicted vs measured")
     ax.legend(fontsize=7)
     return [path_md, _save(plt, fig, out_dir, "matrix_predicted_vs_measured")]
+
+
+# -- sweeps over the communication / compute ratio ------------------------------------------------
+def sweep_points(summaries: Sequence[dict]) -> List[dict]:
+    """One point per run: the measured ratio (one isolated round over half a step's compute, the
+    probe's figures), each variant's step time and speedup over stock, and the ideal step times
+    (stock C + c, ACCO fixed max(C, 2c), DPU max(C, c); C the step's compute, c one round)."""
+    points = []
+    for s in summaries:
+        probe, gas, v = s["probe"], s["gas"], s["variants"]
+        compute = probe["micro_batch_s"] * gas
+        c = s["probe_round_s"]
+        point = {"label": s["label"], "world": s["world"], "gas": gas, "emulation": bool(s.get("emulation")),
+                 "ratio": c / (compute / 2), "compute_s": compute, "round_s": c,
+                 "ideal": {"stock": compute + c, "fixed": max(compute, 2 * c), "dpu": max(compute, c)}}
+        stock = v.get("stock", {}).get("step_s")
+        for name in ("stock", "fixed", "dpu", "dynamic"):
+            if name not in v or not v[name].get("step_s"):
+                continue
+            x = v[name]
+            # dynamic steps vary in size: its time per stock-sized step, from time per token
+            per_token = 1 / x["tokens_per_s"] if x.get("tokens_per_s") else None
+            stock_tokens = v.get("stock", {}).get("tokens_per_step")
+            step = x["step_s"] if name != "dynamic" or not (per_token and stock_tokens) else per_token * stock_tokens
+            point[name] = {"step_s": step, "speedup": stock / step if stock else None,
+                           "busy": x.get("compute_busy"), "vs_ideal": (step / point["ideal"][name]
+                                                                        if name in point["ideal"] else None)}
+        points.append(point)
+    return sorted(points, key=lambda p: (p["world"], p["ratio"]))
+
+
+def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") -> List[str]:
+    """A Markdown table and a plot of speedup over stock against the ratio, with the ideal curves."""
+    points = sweep_points(summaries)
+    os.makedirs(out_dir, exist_ok=True)
+    emulated = any(p["emulation"] for p in points)
+    lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients and rounds over "
+              "the emulated network)", ""] if emulated else []) + [
+        "| run | ranks | round / half-step compute | stock s | fixed s (× stock, vs ideal) | DPU s (× stock, vs ideal) "
+        "| dynamic s per stock-sized step (× stock, busy) |", "|---|---|---|---|---|---|---|"]
+
+    def cell(p, name, extra):
+        x = p.get(name)
+        if not x:
+            return "–"
+        return f"{x['step_s']:.3f} ({_fmt(x['speedup'], '.2f')}×, {extra(x)})"
+    for p in points:
+        lines.append(f"| {p['label']} | {p['world']} | {p['ratio']:.2f} | {_fmt(p.get('stock', {}).get('step_s'))} | "
+                     f"{cell(p, 'fixed', lambda x: _fmt(x['vs_ideal'], '.2f'))} | "
+                     f"{cell(p, 'dpu', lambda x: _fmt(x['vs_ideal'], '.2f'))} | "
+                     f"{cell(p, 'dynamic', lambda x: 'busy ' + _fmt(x['busy'], '.0%'))} |")
+    md = os.path.join(out_dir, f"{stem}.md")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(points, f, indent=1)
+    paths = [md, os.path.join(out_dir, f"{stem}.json")]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for world in sorted({p["world"] for p in points}):
+        ps = [p for p in points if p["world"] == world]
+        xs = [p["ratio"] for p in ps]
+        for name, style in (("fixed", "o-"), ("dpu", "s-"), ("dynamic", "^-")):
+            ys = [p[name]["speedup"] if p.get(name) else float("nan") for p in ps]
+            ax.plot(xs, ys, style, label=f"{LABELS[name]}, {world} ranks")
+        for name, style in (("fixed", ":"), ("dpu", "--")):
+            ideal = [p["ideal"]["stock"] / p["ideal"][name] for p in ps]
+            ax.plot(xs, ideal, style, color="grey", label=f"ideal {LABELS[name]}, {world} ranks")
+    ax.set_xscale("log")
+    ax.set_xlabel("one round / half a step's compute")
+    ax.set_ylabel("speedup over stock ZeRO-1 (step time)")
+    ax.set_title(("EMULATION: " if emulated else "") + "speedup against the communication / compute ratio")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    png = os.path.join(out_dir, f"{stem}.png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return paths + [png]

@@ -450,3 +450,20 @@ def test_emulation_is_named_in_the_spec_and_labelled_in_the_report(tmp_path):
     assert s["emulation"].startswith("EMULATION")
     assert report.markdown_table(s).startswith("**EMULATION")
     assert runner.summarize(_raw(), runner.ABSpec())["emulation"] is None
+
+
+def test_sweep_points_use_the_ideal_curves_and_label_emulation(tmp_path):
+    s = runner.summarize(_raw(), runner.ABSpec(warmup=1))
+    (p,) = report.sweep_points([s])
+    C, c = s["probe"]["micro_batch_s"] * s["gas"], s["probe_round_s"]
+    assert p["ratio"] == pytest.approx(c / (C / 2))
+    assert p["ideal"] == {"stock": pytest.approx(C + c), "fixed": pytest.approx(max(C, 2 * c)),
+                          "dpu": pytest.approx(max(C, c))}
+    assert p["fixed"]["speedup"] == pytest.approx(s["variants"]["stock"]["step_s"] / s["variants"]["fixed"]["step_s"])
+    assert p["fixed"]["vs_ideal"] == pytest.approx(s["variants"]["fixed"]["step_s"] / max(C, 2 * c))
+    paths = report.write_sweep([s], str(tmp_path))
+    md = open(paths[0]).read()
+    assert "EMULATION" not in md and f"| {s['label']} | 2 |" in md
+    s["emulation"] = "EMULATION: test"
+    md = open(report.write_sweep([s], str(tmp_path))[0]).read()
+    assert md.startswith("**EMULATION**")
