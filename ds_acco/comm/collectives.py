@@ -35,9 +35,25 @@ def reduce_in_place(flat: torch.Tensor, rank: int, world: int, group, reduce_sca
     return mine
 
 
-def gather_in_place(flat: torch.Tensor, rank: int, world: int, group) -> None:
-    """All-gather every rank's segment of ``flat`` (rank order), this rank's being read in place."""
+def gather_in_place(flat: torch.Tensor, rank: int, world: int, group, chunk_elems: int = 1 << 21) -> None:
+    """All-gather every rank's segment of ``flat`` (rank order), this rank's being read in place.
+
+    NCCL gathers into ``flat`` directly. gloo's all-gather gathers into a new tensor as large as
+    its output and then copies it out: a full-size temporary (measured: +1 model size of peak
+    RSS per call). On gloo the segments therefore travel in pieces through one buffer of at
+    most ``chunk_elems`` elements: several calls instead of one, the same bytes."""
     part = flat.numel() // world
+    if not uses_reduce_scatter(group):  # gloo
+        per_call = max(1, chunk_elems // world)
+        if per_call < part:
+            rows = flat.view(world, part)
+            out = torch.empty(world * per_call, dtype=flat.dtype, device=flat.device)
+            for start in range(0, part, per_call):
+                n = min(per_call, part - start)
+                piece = out.narrow(0, 0, world * n)
+                _all_gather(piece, rows[rank].narrow(0, start, n), group=group)
+                rows[:, start:start + n].copy_(piece.view(world, n))
+            return
     _all_gather(flat, flat.narrow(0, rank * part, part), group=group)
 
 

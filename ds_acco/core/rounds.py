@@ -136,7 +136,7 @@ def write_shards(ctx: RoundContext) -> None:
 def gather(ctx: RoundContext) -> None:
     """All-gather every rank's segment of B's gather view, in place."""
     for g in ctx.groups:
-        collectives.gather_in_place(g.gather_view(), ctx.rank, ctx.world, ctx.process_group)
+        collectives.gather_in_place(g.gather_view(), ctx.rank, ctx.world, ctx.process_group, ctx.chunk_elems)
 
 
 def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Sequence[float],

@@ -331,7 +331,8 @@ class AccoSchedule:
         # The shards are all-gathered on the lane (the rounds' group; drained, so it is free):
         # every rank loads at the same point.
         gather = lambda flat: self.lane.wait(self.lane.submit(  # noqa: E731
-            "load: all-gather", lambda: collectives.gather_in_place(flat, ctx.rank, ctx.world, ctx.process_group)))
+            "load: all-gather", lambda: collectives.gather_in_place(flat, ctx.rank, ctx.world, ctx.process_group,
+                                                ctx.chunk_elems)))
         for g, saved in zip(self.groups, state["groups"]):
             g.import_state(saved, gather)
         self.phase = PhaseKind(state["phase"])
