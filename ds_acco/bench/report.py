@@ -273,11 +273,15 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
         xs = [p["ratio"] for p in ps]
         for name, style in (("fixed", "o-"), ("dpu", "s-"), ("dynamic", "^-")):
             ys = [p[name]["speedup"] if p.get(name) else float("nan") for p in ps]
-            ax.plot(xs, ys, style, label=f"{LABELS[name]}, {world} ranks")
+            note = " (per token, at its larger batches)" if name == "dynamic" else ""
+            ax.plot(xs, ys, style, label=f"{LABELS[name]}, {world} ranks{note}")
         for name, style in (("fixed", ":"), ("dpu", "--")):
             ideal = [p["ideal"]["stock"] / p["ideal"][name] for p in ps]
             ax.plot(xs, ideal, style, color="grey", label=f"ideal {LABELS[name]}, {world} ranks")
     ax.set_xscale("log")
+    ticks = [0.1, 0.25, 0.5, 1, 2, 4]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("one round / half a step's compute")
     ax.set_ylabel("speedup over stock ZeRO-1 (step time)")
     ax.set_title(("EMULATION: " if emulated else "") + "speedup against the communication / compute ratio")
