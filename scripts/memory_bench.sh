@@ -11,20 +11,22 @@ shift || true
 REPEATS=${REPEATS:-3}
 PY=${PYTHON:-python}
 VARIANTS=(stock fixed dynamic dpu)
+mkdir -p "$OUT"
 ARGS=(--network loopback --world 2 --n-embd 768 --n-layer 6 --n-head 12 --gas 4 --steps 3 --warmup 1 "$@")
 for ((r = 0; r < REPEATS; r++)); do
   for ((k = 0; k < ${#VARIANTS[@]}; k++)); do
     v=${VARIANTS[$(((k + r) % ${#VARIANTS[@]}))]}
     echo "== repeat $((r + 1))/$REPEATS: $v"
-    "$PY" -m ds_acco.bench ab --memory "${ARGS[@]}" --variants "$v" --out "$OUT/r$r-$v" --label "mem-$v-r$r" >"$OUT.r$r-$v.log" 2>&1 \
-      || { echo "failed: see $OUT.r$r-$v.log"; exit 1; }
+    "$PY" -m ds_acco.bench ab --memory "${ARGS[@]}" --variants "$v" --out "$OUT/r$r-$v" --label "mem-$v-r$r" >"$OUT/r$r-$v.log" 2>&1 \
+      || { echo "failed: see $OUT/r$r-$v.log"; exit 1; }
   done
 done
-"$PY" - "$OUT" <<'PY'
+"$PY" - "$OUT" "$REPEATS" <<'PY'
 import glob, json, os, statistics, sys
-out = sys.argv[1]
+out, repeats = sys.argv[1], int(sys.argv[2])
 peaks, buf = {}, None
-for path in glob.glob(os.path.join(out, "r*-*", "mem-*.json")):
+paths = [p for r in range(repeats) for p in glob.glob(os.path.join(out, f"r{r}-*", f"mem-*-r{r}.json"))]
+for path in paths:
     if path.endswith(".raw.json") or path.endswith(".spec.json"):
         continue
     s = json.load(open(path))

@@ -33,8 +33,10 @@ class EmulatedLM(CausalLM):
     """A :class:`~ds_acco.gpt.CausalLM` of ``params`` parameters whose training forward +
     backward take ``compute_s`` seconds of wall time, nearly all of it a wait.
 
-    A third of the wait ends the forward and two thirds run in the backward (the usual 1 : 2
-    split), so gradients become ready when an accelerator's would.
+    A third of the wait ends the forward and two thirds start the backward (the usual 1 : 2
+    split). The backward's part comes before the gradients are produced, not spread among them:
+    ZeRO-1 (stock and ACCO) sends nothing until the micro-batch's backward has finished, so
+    where inside the backward the time falls does not change a step.
     Evaluation (``eval()`` or no grad) does not wait.
     """
 

@@ -69,7 +69,7 @@ class CommLane:
         # interpreter exit, so a round stuck in a collective would keep the process alive.
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        self._lock = threading.RLock()  # re-entrant: a finaliser may run while it is held
+        self._lock = threading.RLock()  # re-entrant: cheap insurance should a finaliser run while it is held
         self.rounds_submitted = 0
 
     def submit(self, name: str, fn: Callable[[], Any]) -> RoundHandle:

@@ -279,6 +279,11 @@ class AccoDriver:
             self._uninstall_sigterm()
             self._release_process_group()
 
+    @property
+    def abandoned(self) -> bool:
+        """Whether :meth:`abandon` let this driver go (a finaliser ran)."""
+        return self._abandoned
+
     def abandon(self) -> None:
         """Let go without waiting, for a finaliser or the garbage collector: they may run on any
         thread at any point of another engine's life, this lane's own thread included (in the
@@ -296,8 +301,13 @@ class AccoDriver:
         self.schedule.abandon()
         self._uninstall_sigterm()
         pg, self.process_group = self.process_group, None
-        local = pg is not None and dist.is_initialized() and dist.get_backend(pg) == "gloo"
-        self.lane.stop_nowait(then=(lambda: _destroy_group(pg)) if local else None)
+        local = False
+        try:
+            local = pg is not None and dist.is_initialized() and dist.get_backend(pg) == "gloo"
+        except (ValueError, RuntimeError):  # the group is gone already (the default group was replaced)
+            pass
+        finally:
+            self.lane.stop_nowait(then=(lambda: _destroy_group(pg)) if local else None)
 
     def _release_process_group(self) -> None:
         """Give the rounds' process group back (local: no collective, so it is safe from a
@@ -311,7 +321,8 @@ class AccoDriver:
 
 def _destroy_group(pg) -> None:
     """Local, no collective. Safe beside the main thread building the next engine's group:
-    torch's registry of groups is plain dicts, changed key by key under the GIL."""
+    torch's registry of groups is plain dicts, changed key by key under the GIL. Not beside a
+    concurrent ``destroy_process_group()`` of the whole world: destroy() engines before that."""
     if not dist.is_initialized():
         return
     try:

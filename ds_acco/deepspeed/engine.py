@@ -269,7 +269,7 @@ class AccoEngine(DeepSpeedEngine):
         # this on any thread at any time, this engine's own lane thread included (a self-wait) or
         # while the peers build the next engine (a cross-rank hang). So a collected engine lets go
         # without waiting or communicating; destroy() is the orderly end.
-        self._acco_finalising = True
+        self.__dict__["_acco_finalising"] = True  # no nn.Module machinery: __init__ may not have finished
         super().__del__()
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):

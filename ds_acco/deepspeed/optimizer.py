@@ -172,5 +172,11 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
     def destroy(self):
         for h in self._accumulate_hooks:
             h.remove()
+        if self.driver.abandoned:
+            # From a finaliser: DeepSpeed's destroy() synchronises the device, which waits for the
+            # lane's round (a collective) on an accelerator. Only its hooks need removing here.
+            for h in getattr(self, "_grad_acc_hooks", []):
+                h.remove()
+            return
         self.driver.close()
         super().destroy()

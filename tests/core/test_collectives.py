@@ -27,7 +27,14 @@ def _gather_peak(numel: int, chunk_elems: int):
     collectives.gather_in_place(flat, rank, world, None, chunk_elems)
     peak = status("VmHWM") - before
     expect = torch.arange(1, world + 1, dtype=flat.dtype).repeat_interleave(part)
-    return {"peak": peak, "exact": bool(torch.equal(flat, expect))}
+    exact = bool(torch.equal(flat, expect))
+    # a segment that is no multiple of the pieces (a short last piece), and one shorter than a piece
+    for seg in (3 * (chunk_elems // world) + 5, 7):
+        small = torch.zeros(world * seg)
+        small.narrow(0, rank * seg, seg).copy_(torch.arange(seg) + 100 * rank)
+        collectives.gather_in_place(small, rank, world, None, chunk_elems)
+        exact &= bool(torch.equal(small, torch.cat([torch.arange(seg) + 100 * r for r in range(world)]).float()))
+    return {"peak": peak, "exact": exact}
 
 
 def test_gloo_gather_in_place_has_no_full_size_scratch():

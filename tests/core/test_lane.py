@@ -46,10 +46,13 @@ def test_stop_nowait_returns_at_once_and_runs_then_after_the_queued_rounds():
 def test_stop_nowait_from_the_lanes_own_thread_does_not_deadlock():
     # The garbage collector may finalise an engine on its own lane's thread, inside a round.
     lane = CommLane(timeout_s=30)
-    order = []
-    handle = lane.submit("round 1", lambda: lane.stop_nowait(then=lambda: order.append("then")))
-    thread = lane._thread
-    lane.wait(handle)
+    order, worker = [], []
+
+    def round_fn():
+        worker.append(threading.current_thread())
+        lane.stop_nowait(then=lambda: order.append("then"))
+    lane.wait(lane.submit("round 1", round_fn))
+    thread = worker[0]
     thread.join(30)
     assert not thread.is_alive() and order == ["then"]
 
