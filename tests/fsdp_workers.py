@@ -97,14 +97,21 @@ def checkpoint_runs(case, ckpt_dir, save_at, total):
     """One run saving after each micro-batch in ``save_at``; then, per save, a fresh model that
     loads it and trains on to ``total`` micro-batches."""
     model, acco = build(case)
+    swapped = []
 
     def maybe_save(i):
         if i in save_at:
-            acco.save_checkpoint(os.path.join(ckpt_dir, f"mb{i}"))
+            if i % 2:  # inside committed_weights (an evaluation callback that saves): the export swaps back
+                with ds_acco.committed_weights(acco):
+                    if acco.schedule._swapped:
+                        swapped.append(i)
+                    acco.save_checkpoint(os.path.join(ckpt_dir, f"mb{i}"))
+            else:
+                acco.save_checkpoint(os.path.join(ckpt_dir, f"mb{i}"))
     losses = feed(model, acco, 0, total, maybe_save)
     with ds_acco.committed_weights(acco):
         final = live_snapshot(model)
-    out = {"full": {"losses": losses, "final": final, "global_steps": acco.global_steps}}
+    out = {"full": {"losses": losses, "final": final, "global_steps": acco.global_steps}, "swapped_saves": swapped}
     acco.close()
     for i in save_at:
         model, acco = build(case)

@@ -33,7 +33,7 @@ FSDP_CASES.update({
                                                                 "estimate_comm_dtype": "bf16"}),
 })
 CKPT_CASE = {"optimizer": "adamw", "schedule": "inv", "gas": GAS, "acco": {"enabled": True, "mode": "acco"}}
-SAVE_AT, TOTAL = [4, 9], 16  # after micro-batch 4: mid-phase; after 9: right after a phase end
+SAVE_AT, TOTAL = [4, 9, 11], 16  # after micro-batch 4: mid-phase; after 9 and 11: right after phase ends, saved inside committed_weights (one with a commit in flight: the export swaps)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,8 @@ def test_checkpoint_resume_is_exact(runs):
             assert resumed["losses"] == full["losses"][i + 1:], f"losses differ after resuming at {i}"
             assert all(torch.equal(resumed["final"][n], full["final"][n]) for n in full["final"])
             assert resumed["global_steps"] == full["global_steps"]
-    assert runs["ckpt"][0]["files"] == [f"mb{i}" for i in SAVE_AT]  # no scratch dirs left
+    assert runs["ckpt"][0]["files"] == sorted(f"mb{i}" for i in SAVE_AT)  # no scratch dirs left
+    assert runs["ckpt"][0]["swapped_saves"]  # a save exported the swapped state (commit in flight)
 
 
 def test_config_errors(runs):
