@@ -156,26 +156,27 @@ def cmd_advise(a) -> int:
     return 0
 
 
-def cmd_summarize(a) -> int:
-    paths = [p for pat in a.paths for p in sorted(glob.glob(pat))]
-    summaries = report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith((".raw.json", ".spec.json"))])
+def _summaries(patterns) -> list:
+    paths = [p for pat in patterns for p in sorted(glob.glob(pat))]
+    return report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith((".raw.json", ".spec.json"))])
+
+
+def _write_from_summaries(a, write) -> int:
+    summaries = _summaries(a.paths)
     if not summaries:
         print("no summaries found", file=sys.stderr)
         return 1
-    for p in report.write_matrix(summaries, a.out):
+    for p in write(summaries, a.out):
         print(f"wrote {p}")
     return 0
+
+
+def cmd_summarize(a) -> int:
+    return _write_from_summaries(a, report.write_matrix)
 
 
 def cmd_sweep(a) -> int:
-    paths = [p for pat in a.paths for p in sorted(glob.glob(pat))]
-    summaries = report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith((".raw.json", ".spec.json"))])
-    if not summaries:
-        print("no summaries found", file=sys.stderr)
-        return 1
-    for p in report.write_sweep(summaries, a.out):
-        print(f"wrote {p}")
-    return 0
+    return _write_from_summaries(a, report.write_sweep)
 
 
 def _terminate(signum, frame):

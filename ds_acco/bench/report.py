@@ -235,31 +235,65 @@ def sweep_points(summaries: Sequence[dict]) -> List[dict]:
     return sorted(points, key=lambda p: (p["world"], p["ratio"]))
 
 
+def sweep_medians(points: Sequence[dict]) -> List[dict]:
+    """Repeats of one point (labels that differ only in a ``-rep<k>`` suffix, same world and gas)
+    merged: the median of every figure, the number of runs, and the range of each ``vs_ideal``."""
+    import re
+    import statistics
+    groups: Dict[tuple, List[dict]] = {}
+    for p in points:
+        groups.setdefault((p["world"], p["gas"], re.sub(r"-rep\d+$", "", p["label"])), []).append(p)
+    out = []
+    for (world, gas, label), ps in groups.items():
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        m = {"label": label, "world": world, "gas": gas, "runs": len(ps), "emulation": any(p["emulation"] for p in ps)}
+        for k in ("ratio", "compute_s", "round_s"):
+            m[k] = med([p[k] for p in ps])
+        m["ideal"] = {k: med([p["ideal"][k] for p in ps]) for k in ps[0]["ideal"]}
+        for name in ("stock", "fixed", "dpu", "dynamic"):
+            runs = [p[name] for p in ps if p.get(name)]
+            if not runs:
+                continue
+            m[name] = {k: med([r[k] for r in runs if r.get(k) is not None]) for k in ("step_s", "speedup", "busy", "vs_ideal")}
+            ideal = [r["vs_ideal"] for r in runs if r.get("vs_ideal") is not None]
+            m[name]["vs_ideal_range"] = [min(ideal), max(ideal)] if ideal else None
+        out.append(m)
+    return sorted(out, key=lambda p: (p["world"], p["ratio"]))
+
+
 def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") -> List[str]:
-    """A Markdown table and a plot of speedup over stock against the ratio, with the ideal curves."""
-    points = sweep_points(summaries)
+    """A Markdown table and a plot of speedup over stock against the ratio, with the ideal curves;
+    repeats of a point (``-rep<k>`` labels) as medians, with the range of "vs ideal"."""
+    runs = sweep_points(summaries)
+    points = sweep_medians(runs)
     os.makedirs(out_dir, exist_ok=True)
     emulated = any(p["emulation"] for p in points)
     lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients and rounds over "
               "the emulated network)", ""] if emulated else []) + [
-        "| run | ranks | round / half-step compute | stock s | fixed s (× stock, vs ideal) | DPU s (× stock, vs ideal) "
-        "| dynamic s per stock-sized step (× stock, busy) |", "|---|---|---|---|---|---|---|"]
+        "| point | ranks | runs | round / half-step compute | stock s | fixed s (× stock, vs ideal) | DPU s (× stock, "
+        "vs ideal) | dynamic s per stock-sized step (× stock, busy) |", "|---|---|---|---|---|---|---|---|"]
 
     def cell(p, name, extra):
         x = p.get(name)
         if not x:
             return "–"
         return f"{x['step_s']:.3f} ({_fmt(x['speedup'], '.2f')}×, {extra(x)})"
+
+    def vs_ideal(x):
+        lo_hi = x.get("vs_ideal_range")
+        spread = f" [{lo_hi[0]:.2f}–{lo_hi[1]:.2f}]" if lo_hi and lo_hi[0] != lo_hi[1] else ""
+        return _fmt(x["vs_ideal"], ".2f") + spread
+    if any(p["runs"] > 1 for p in points):
+        lines[-2:-2] = ["Medians over the runs of each point; [range] of \"vs ideal\" over them.", ""]
     for p in points:
-        lines.append(f"| {p['label']} | {p['world']} | {p['ratio']:.2f} | {_fmt(p.get('stock', {}).get('step_s'))} | "
-                     f"{cell(p, 'fixed', lambda x: _fmt(x['vs_ideal'], '.2f'))} | "
-                     f"{cell(p, 'dpu', lambda x: _fmt(x['vs_ideal'], '.2f'))} | "
+        lines.append(f"| {p['label']} | {p['world']} | {p['runs']} | {p['ratio']:.2f} | "
+                     f"{_fmt(p.get('stock', {}).get('step_s'))} | {cell(p, 'fixed', vs_ideal)} | {cell(p, 'dpu', vs_ideal)} | "
                      f"{cell(p, 'dynamic', lambda x: 'busy ' + _fmt(x['busy'], '.0%'))} |")
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump(points, f, indent=1)
+        json.dump({"medians": points, "runs": runs}, f, indent=1)
     paths = [md, os.path.join(out_dir, f"{stem}.json")]
     try:
         import matplotlib

@@ -467,3 +467,22 @@ def test_sweep_points_use_the_ideal_curves_and_label_emulation(tmp_path):
     s["emulation"] = "EMULATION: test"
     md = open(report.write_sweep([s], str(tmp_path))[0]).read()
     assert md.startswith("**EMULATION**")
+
+
+def test_sweep_merges_repeats_into_medians(tmp_path):
+    runs = []
+    for k, fixed_s in enumerate((1.0, 3.0, 2.0)):
+        raw = _raw()
+        for r in raw["runs"]:
+            if r["variant"] == "fixed":
+                r["ranks"] = [_rank("fixed", 4, 5, step_s=fixed_s, metrics=r["ranks"][0]["acco_metrics"])] * 2
+        s = runner.summarize(raw, runner.ABSpec(warmup=1))
+        s["label"] = f"pt-rep{k}"
+        runs.append(s)
+    (m,) = report.sweep_medians(report.sweep_points(runs))
+    assert m["label"] == "pt" and m["runs"] == 3
+    assert m["fixed"]["step_s"] == pytest.approx(2.0)  # the median, not the mean or the first run
+    ideal = m["ideal"]["fixed"]
+    assert m["fixed"]["vs_ideal_range"] == [pytest.approx(1.0 / ideal), pytest.approx(3.0 / ideal)]
+    md = open(report.write_sweep(runs, str(tmp_path))[0]).read()
+    assert "| pt | 2 | 3 |" in md and "Medians over the runs" in md
