@@ -25,6 +25,14 @@ class DynamicConfig(BaseModel):
         None, ge=1, description="A phase ends here even if its round is still running (the wait is measured); "
         "default 4 x the fixed phase length.")
     check_every: int = Field(1, ge=1, description="Poll the round's completion every this many micro-batches.")
+    lr_scaling: Literal["none", "sqrt", "linear"] = Field(
+        "none", description="Scale each round's learning rate by (its global micro-batches / what fixed "
+        "accumulation would give it) to this power (none: 0, sqrt: 0.5, linear: 1), so that the larger "
+        "batches of long rounds move the weights further; the scheduler's value is restored after the step.")
+
+    @property
+    def lr_power(self) -> float:
+        return {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.lr_scaling]
 
 
 class MetricsConfig(BaseModel):

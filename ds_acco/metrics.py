@@ -68,7 +68,9 @@ class StepMetrics:
         if commit.drift is not None:
             rec["estimate_drift"] = commit.drift
         if lr is not None:
-            rec["lr"] = lr
+            rec["lr"] = lr  # the scheduler's value
+        if commit.lr_factor != 1.0:
+            rec["lr_factor"] = commit.lr_factor  # dynamic lr_scaling: the commit step used lr × this
         if loss_scale is not None:
             rec["loss_scale"] = loss_scale  # fp16: the scale after this step's update
         if commit.peer_report is not None and commit.peer_report.shape[1] >= len(REPORT_FIELDS):

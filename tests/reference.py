@@ -41,23 +41,28 @@ class _Trainer:
     def params(self):
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def _apply(self, model, opt, grads):
+    def _apply(self, model, opt, grads, lr_factor=1.0):
         if self.clip > 0:
             norm = torch.sqrt(sum((g.double()**2).sum() for g in grads.values()))
             factor = max(1.0, (float(norm) + 1e-6) / self.clip)
             grads = {n: g / factor for n, g in grads.items()}
         for n, p in model.named_parameters():
             p.grad = grads[n].clone()
+        lrs = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = g["lr"] * lr_factor
         opt.step()
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
 
-    def commit(self, grads):
-        self._apply(self.model, self.opt, grads)
+    def commit(self, grads, lr_factor=1.0):
+        self._apply(self.model, self.opt, grads, lr_factor)
         if self.sched is not None:
             self.sched.step()
 
-    def estimate(self, grads):
+    def estimate(self, grads, lr_factor=1.0):
         model, opt = copy.deepcopy((self.model, self.opt))
-        self._apply(model, opt, grads)
+        self._apply(model, opt, grads, lr_factor)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -174,8 +179,12 @@ def _grad_sum(model, params, batches, weight):
 
 def reference_replay(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, phases_per_rank: List[List[int]],
                      steps: int, mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
-                     clip: float = 0.0, weight: Optional[Callable] = None) -> Dict[str, torch.Tensor]:
+                     clip: float = 0.0, weight: Optional[Callable] = None, lr_power: float = 0.0,
+                     nominal_phase: int = 1) -> Dict[str, torch.Tensor]:
     """θ_T given how many micro-batches every phase of every rank had (phase 0 first).
+
+    ``lr_power``: each update's learning rate × (its micro-batches, all ranks / the fixed-mode
+    count: ``nominal_phase`` micro-batches per rank per phase) ** lr_power.
 
     Rank r's phase p consumes its next ``phases_per_rank[r][p]`` micro-batches. Gradients are
     summed and divided by the global weight (``weight(batch)``, default 1 per micro-batch).
@@ -190,20 +199,24 @@ def reference_replay(model: torch.nn.Module, batch: Callable[[int, int], tuple],
         return [batch(r, i) for r, counts in enumerate(phases_per_rank) for i in
                 range(starts[r][p], starts[r][p] + counts[p])]
 
+    def lr_factor(*phases):
+        count = sum(counts[p] for counts in phases_per_rank for p in phases)
+        return (count / (nominal_phase * len(phases_per_rank) * len(phases))) ** lr_power
+
     if mode == "acco":
         est = tr.params()
         for t in range(steps):
             theta = tr.params()
             g1, w1 = _grad_sum(tr.model, est, phase(2 * t), weight)
             g2, w2 = _grad_sum(tr.model, theta, phase(2 * t + 1), weight)
-            est = tr.estimate({n: g / w1 for n, g in g1.items()})
-            tr.commit({n: (g1[n] + g2[n]) / (w1 + w2) for n in g1})
+            est = tr.estimate({n: g / w1 for n, g in g1.items()}, lr_factor(2 * t))
+            tr.commit({n: (g1[n] + g2[n]) / (w1 + w2) for n in g1}, lr_factor(2 * t, 2 * t + 1))
         return tr.params()
     if mode == "dpu":
         history = [tr.params()]
         for k in range(steps):
             g, w = _grad_sum(tr.model, history[max(k - 1, 0)], phase(k), weight)
-            tr.commit({n: v / w for n, v in g.items()})
+            tr.commit({n: v / w for n, v in g.items()}, lr_factor(k))
             history.append(tr.params())
         return tr.params()
     raise ValueError(mode)

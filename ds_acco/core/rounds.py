@@ -13,6 +13,7 @@ functional step pays a snapshot of the shard and its state for the estimate (sha
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import time
@@ -55,6 +56,7 @@ class RoundResult:
     wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
     collected_at: float = 0.0
     skipped: bool = False  # non-finite mean gradient: no update (the estimate fell back to θ)
+    lr_factor: float = 1.0  # the learning-rate multiplier the step used (dynamic mode's lr_scaling)
 
     @property
     def total(self) -> Tally:
@@ -73,13 +75,13 @@ class RoundResult:
                 "per_rank": [(t.micro_batches, t.weight) for t in self.per_rank], "grad_norm": self.grad_norm,
                 "drift": self.drift, "peer_report": self.peer_report, "started_at": self.started_at,
                 "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "lr_factor": self.lr_factor}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RoundResult":
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
                    d["grad_norm"], d["drift"], d["peer_report"], d["started_at"], d["finished_at"], d["wait_s"],
-                   d["collected_at"], d.get("skipped", False))
+                   d["collected_at"], d.get("skipped", False), d.get("lr_factor", 1.0))
 
 
 @dataclass
@@ -96,6 +98,17 @@ class RoundContext:
     reduce_scatter: bool
     track_drift: bool
     chunk_elems: int
+    lr_power: float = 0.0  # dynamic mode's learning-rate rule (0: off), see lr_factor
+    nominal_phase_micro_batches: int = 0  # one fixed-mode phase, all ranks
+    commit_phases: int = 1  # phases a commit round's gradients span (2 in mode acco)
+
+    def lr_factor(self, kind: "RoundKind", micro_batches: int) -> float:
+        """(the round's global micro-batches / what fixed accumulation gives that round) ** lr_power:
+        1.0 in fixed mode and whenever the rule is off."""
+        if not self.lr_power:
+            return 1.0
+        phases = self.commit_phases if kind is RoundKind.COMMIT else 1
+        return (micro_batches / (self.nominal_phase_micro_batches * phases)) ** self.lr_power
 
 
 def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
@@ -160,6 +173,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         grad_norm = float(norm_sq.sqrt())  # the same on every rank: so is the skip decision
         skipped = not math.isfinite(grad_norm)
         drift = None
+        lr_factor = 1.0
         if skipped:
             if ctx.nonfinite == "raise":
                 raise NonFiniteGradientError(
@@ -174,7 +188,8 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     for t in flat_grads:
                         t.mul_(1.0 / factor)
             param_grads = [pg for g, gs in zip(ctx.groups, grads) for pg in g.param_grads(gs)]
-            with record_function(f"ACCO::{kind.value}_step"):
+            lr_factor = ctx.lr_factor(kind, sum(t.micro_batches for t in per_rank))
+            with record_function(f"ACCO::{kind.value}_step"), _scaled_lr(ctx.shard_optimizer.optimizer, lr_factor):
                 if kind is RoundKind.COMMIT:
                     before = _keep_shards_for_drift(ctx)
                     ctx.shard_optimizer.commit(param_grads)
@@ -188,7 +203,25 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         with record_function("ACCO::all_gather"):
             gather(ctx)
     return RoundResult(kind, step, local, per_rank, grad_norm, drift, reports, started, time.perf_counter(),
-                       skipped=skipped)
+                       skipped=skipped, lr_factor=lr_factor)
+
+
+@contextlib.contextmanager
+def _scaled_lr(optimizer, factor: float):
+    """Every param group's learning rate × ``factor`` for one step, then exactly the scheduler's
+    value again. Rounds run one at a time, and the scheduler advances on the compute lane between
+    rounds (``on_commit``), so nothing else writes the learning rate meanwhile."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr * factor
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr
 
 
 def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:

@@ -64,12 +64,17 @@ class ScheduleOptions:
     track_drift: bool = False  # measure the estimate drift in commit rounds (mode acco)
     chunk_elems: int = 1 << 21  # bound on a round's temporaries (elements)
     history: int = 4096  # phases kept for metrics
+    lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
+    nominal_phase: int = 0  # micro-batches per rank of a fixed-mode phase (the count lr_power compares to)
 
     def __post_init__(self):
         if self.mode not in ("acco", "dpu"):
             raise ValueError(f"mode must be 'acco' or 'dpu', got {self.mode!r}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        if self.lr_power and self.nominal_phase < 1:
+            raise ValueError(f"lr_power {self.lr_power} needs the fixed-mode phase length (nominal_phase >= 1), "
+                             f"got {self.nominal_phase}")
 
     @classmethod
     def from_config(cls, acco, gradient_accumulation_steps: int, clip_grad: float = 0.0) -> "ScheduleOptions":
@@ -77,7 +82,10 @@ class ScheduleOptions:
         return cls(mode=acco.mode, phases=acco.phase_policy(gradient_accumulation_steps),
                    gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0),
                    nonfinite=acco.nonfinite, track_drift=acco.metrics.estimate_drift and acco.mode == "acco",
-                   chunk_elems=acco.chunk_elements)
+                   chunk_elems=acco.chunk_elements,
+                   lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
+                             if acco.accumulation == "dynamic" else 0.0),
+                   nominal_phase=acco.phase_length(gradient_accumulation_steps))
 
 
 @dataclass
@@ -126,7 +134,9 @@ class AccoSchedule:
         self.phases = options.phases
         self.context = RoundContext(self.groups, shard_optimizer, process_group, rank, world, options.gas_scale,
                                     options.clip_grad, options.nonfinite, reduce_scatter,
-                                    options.track_drift and options.mode == "acco", options.chunk_elems)
+                                    options.track_drift and options.mode == "acco", options.chunk_elems,
+                                    options.lr_power, options.nominal_phase * world,
+                                    2 if options.mode == "acco" else 1)
         # Temporaries run beside the compute lane's activations: a chunk is also kept to 1/64 of a
         # shard, so small models do not pay the default chunk's megabytes.
         segment = max(g.segment for g in self.groups)

@@ -18,6 +18,13 @@ CASES = {
                                                  "dynamic": DYN}, "sleep": {"1": 0.03}},
     "acco-dyn-adamw": {"optimizer": "adamw", "schedule": "inv", "clip": 0.5, "sleep": {"1": 0.03},
                        "acco": {"enabled": True, "mode": "acco", "accumulation": "dynamic", "dynamic": DYN}},
+    # the learning-rate rule: each round's LR × (its micro-batches / the fixed-mode count) ** p
+    "acco-dyn-adamw-sqrt": {"optimizer": "adamw", "schedule": "inv", "sleep": {"1": 0.03},
+                            "acco": {"enabled": True, "mode": "acco", "accumulation": "dynamic",
+                                     "dynamic": dict(DYN, lr_scaling="sqrt")}},
+    "dpu-dyn-sgd-linear": {"optimizer": "sgd", "sleep": {"0": 0.03},
+                           "acco": {"enabled": True, "mode": "dpu", "accumulation": "dynamic",
+                                    "dynamic": dict(DYN, lr_scaling="linear")}},
     "dpu-dyn-adamw": {"optimizer": "adamw", "sleep": {"1": 0.03},
                       "acco": {"enabled": True, "mode": "dpu", "accumulation": "dynamic", "dynamic": DYN}},
     "acco-token": {"optimizer": "adamw", "tokens": True,
@@ -53,7 +60,11 @@ def rel_error(got, want):
     return float(torch.sqrt(num / sum((w ** 2).sum() for w in want.values())))
 
 
-@pytest.mark.parametrize("name", ["acco-dyn-sgd", "acco-dyn-adamw", "dpu-dyn-adamw", "acco-token", "acco-dyn-token"])
+LR_POWER = {"sqrt": 0.5, "linear": 1.0}
+
+
+@pytest.mark.parametrize("name", ["acco-dyn-sgd", "acco-dyn-adamw", "dpu-dyn-adamw", "acco-token", "acco-dyn-token",
+                                  "acco-dyn-adamw-sqrt", "dpu-dyn-sgd-linear"])
 def test_replay_with_recorded_counts(runs, name):
     r0, r1 = runs[name]
     case = CASES[name]
@@ -64,10 +75,20 @@ def test_replay_with_recorded_counts(runs, name):
                             phases_per_rank=counts, steps=r0["global_steps"], mode=mode,
                             make_optimizer=make_optimizer(case["optimizer"]),
                             make_scheduler=make_scheduler(case.get("schedule")), clip=case.get("clip", 0.0),
-                            weight=(lambda b: float(b[2].sum())) if tokens else None)
+                            weight=(lambda b: float(b[2].sum())) if tokens else None,
+                            lr_power=LR_POWER.get(case["acco"].get("dynamic", {}).get("lr_scaling"), 0.0),
+                            nominal_phase=GAS // 2 if mode == "acco" else GAS)
     err = rel_error(r0["final"], want)
     print(f"{name}: per-rank phase micro-batches {counts}; relative error {err:.2e}")
     assert err < 1e-5
+    if name in ("acco-dyn-adamw-sqrt", "dpu-dyn-sgd-linear"):
+        # the rule moved the weights: without it the replay is far from the run
+        plain = reference_replay(TinyNet(seed=0), batch, phases_per_rank=counts, steps=r0["global_steps"], mode=mode,
+                                 make_optimizer=make_optimizer(case["optimizer"]),
+                                 make_scheduler=make_scheduler(case.get("schedule")))
+        assert rel_error(r0["final"], plain) > 100 * max(err, 1e-7)
+        factors = [rec.get("lr_factor", 1.0) for rec in r0["metrics"]]
+        assert any(f != 1.0 for f in factors), factors
     assert all(torch.equal(r0["final"][n], r1["final"][n]) for n in want)
     # the loop stops at STEPS commits; the final drain of DPU's round in flight commits one more
     assert r0["global_steps"] == (STEPS if mode == "acco" else STEPS + 1)
