@@ -66,8 +66,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
 
 def parse_variants(text: str) -> tuple:
     """``stock,fixed,...``; ``all`` = every variant, ``deepspeed`` / ``fsdp`` = one framework's four."""
-    from .worker import DS_VARIANTS, FSDP_VARIANTS, VARIANTS
-    groups = {"all": VARIANTS, "deepspeed": DS_VARIANTS, "fsdp": FSDP_VARIANTS}
+    from .worker import DS_VARIANTS, FSDP_VARIANTS
+    groups = {"all": DS_VARIANTS + FSDP_VARIANTS, "deepspeed": DS_VARIANTS, "fsdp": FSDP_VARIANTS}
     out = []
     for v in (v.strip() for v in text.split(",")):
         if v:
@@ -179,6 +179,11 @@ def cmd_sweep(a) -> int:
     return _write_from_summaries(a, report.write_sweep)
 
 
+def cmd_ttt(a) -> int:
+    return _write_from_summaries(a, lambda summaries, out: report.write_time_to_target(
+        summaries, out, stem=a.stem, target=a.target_loss))
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -219,6 +224,14 @@ def main(argv=None) -> int:
     sw.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
     sw.add_argument("--out", default="bench_results")
     sw.set_defaults(fn=cmd_sweep)
+    tt = sub.add_parser("ttt", help="time to a target held-out loss and loss at equal wall-clock, per variant, "
+                        "over repeated launches (scripts/time_to_target_emulated.sh)")
+    tt.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json) of one setting")
+    tt.add_argument("--target-loss", type=float, default=None, help="default: 1.01 x stock's median last held-out "
+                    "loss")
+    tt.add_argument("--stem", default="time_to_target", help="output file name stem")
+    tt.add_argument("--out", default="bench_results")
+    tt.set_defaults(fn=cmd_ttt)
     a = p.parse_args(argv)
     # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
     # (ranks killed, namespaces deleted) instead of dying or being ignored.

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
-ORDER = ("stock", "fixed", "dynamic", "dpu", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
+ORDER = ("stock", "fixed", "dynamic", "dynamic_sqrt", "dynamic_linear", "dpu", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
 LABELS = {"stock": "stock ZeRO-1", "fixed": "ACCO fixed", "dynamic": "ACCO dynamic", "dpu": "DPU",
+          "dynamic_sqrt": "ACCO dynamic, LR × √(batch ratio)", "dynamic_linear": "ACCO dynamic, LR × batch ratio",
           "fsdp_stock": "stock FSDP2", "fsdp_fixed": "FSDP2 ACCO fixed", "fsdp_dynamic": "FSDP2 ACCO dynamic",
           "fsdp_dpu": "FSDP2 DPU"}
 
@@ -326,3 +327,137 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return paths + [png]
+
+
+# -- time to a target loss -----------------------------------------------------------------------
+def crossing_time(curve: Sequence[dict], target: float) -> Optional[float]:
+    """Training time at which a held-out curve first reaches ``target``, interpolated linearly
+    between the two evaluations around the crossing (None: never reached)."""
+    prev = None
+    for p in curve:
+        if p["loss"] <= target:
+            if prev is None:
+                return p["time_s"]
+            f = (prev["loss"] - target) / (prev["loss"] - p["loss"])
+            return prev["time_s"] + f * (p["time_s"] - prev["time_s"])
+        prev = p
+    return None
+
+
+def loss_at_time(curve: Sequence[dict], t: float) -> Optional[float]:
+    """Held-out loss at training time ``t``, interpolated between evaluations (None: outside)."""
+    for a, b in zip(curve, curve[1:]):
+        if a["time_s"] <= t <= b["time_s"]:
+            return a["loss"] + (b["loss"] - a["loss"]) * (t - a["time_s"]) / ((b["time_s"] - a["time_s"]) or 1.0)
+    return None
+
+
+def _row_name(name: str, gas: int, main_gas: int) -> str:
+    return name if gas == main_gas else f"{name}@gas{gas}"
+
+
+def time_to_target(summaries: Sequence[dict], target: Optional[float] = None) -> dict:
+    """Time to a target held-out loss and loss at equal wall-clock, per variant, over repeated
+    launches of one setting (``-rep<k>`` labels; launches at another gradient_accumulation_steps,
+    e.g. stock at dynamic's larger batch, become rows ``<variant>@gas<A>``). Ratios are taken
+    within each repeat (side by side), then the median over repeats.
+
+    Default target: 1.01 × the median over repeats of stock's last held-out loss (at the main
+    gradient_accumulation_steps: that of the launches that ran ACCO fixed)."""
+    import re
+    import statistics
+    if not summaries:
+        raise ValueError("no summaries to combine")
+    main_gas = next((s["gas"] for s in summaries if "fixed" in s["variants"]), summaries[0]["gas"])
+    rep = lambda s: int(m.group(1)) if (m := re.search(r"-rep(\d+)$", s["label"])) else 0  # noqa: E731
+    curves: Dict[int, Dict[str, dict]] = {}
+    for s in summaries:
+        for name, v in s["variants"].items():
+            if v.get("heldout_curve"):
+                curves.setdefault(rep(s), {})[_row_name(name, s["gas"], main_gas)] = {
+                    "curve": v["heldout_curve"], "tokens_per_step": v.get("tokens_per_step"), "step_s": v.get("step_s")}
+    if target is None:
+        finals = [c["stock"]["curve"][-1]["loss"] for c in curves.values() if "stock" in c]
+        if not finals:
+            raise ValueError("no stock run at the main gradient_accumulation_steps: pass a target loss")
+        target = 1.01 * statistics.median(finals)
+    per_rep: Dict[str, List[dict]] = {}
+    for k, rows in sorted(curves.items()):
+        t_equal = min(r["curve"][-1]["time_s"] for r in rows.values())
+        stock_t = crossing_time(rows["stock"]["curve"], target) if "stock" in rows else None
+        for name, r in rows.items():
+            t = crossing_time(r["curve"], target)
+            per_rep.setdefault(name, []).append({
+                "rep": k, "time_to_target_s": t, "vs_stock": (stock_t / t) if stock_t and t else None,
+                "loss_at_equal_time": loss_at_time(r["curve"], t_equal), "equal_time_s": t_equal,
+                "tokens_per_step": r["tokens_per_step"], "step_s": r["step_s"],
+                "final_loss": r["curve"][-1]["loss"], "final_time_s": r["curve"][-1]["time_s"]})
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    rows = []
+    for name in sorted(per_rep, key=lambda n: (ORDER.index(n.split("@")[0]) if n.split("@")[0] in ORDER else 99, n)):
+        rs = per_rep[name]
+        reached = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
+        ratios = [r["vs_stock"] for r in rs if r["vs_stock"] is not None]
+        eq = [r["loss_at_equal_time"] for r in rs if r["loss_at_equal_time"] is not None]
+        rows.append({"variant": name, "runs": len(rs), "reached": len(reached),
+                     "time_to_target_s": med(reached) if len(reached) == len(rs) else None,
+                     "time_to_target_range": [min(reached), max(reached)] if reached else None,
+                     "vs_stock": med(ratios) if len(ratios) == len(rs) else None,
+                     "vs_stock_range": [min(ratios), max(ratios)] if ratios else None,
+                     "loss_at_equal_time": med(eq), "equal_time_s": med([r["equal_time_s"] for r in rs]),
+                     "tokens_per_step": med([r["tokens_per_step"] for r in rs if r["tokens_per_step"]]),
+                     "step_s": med([r["step_s"] for r in rs if r["step_s"]]), "repeats": rs})
+    return {"target": target, "main_gas": main_gas, "rows": rows,
+            "emulation": any(s.get("emulation") for s in summaries),
+            "labels": sorted(s["label"] for s in summaries), "curves": curves}
+
+
+def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "time_to_target",
+                         target: Optional[float] = None) -> List[str]:
+    """The time-to-target table (Markdown, JSON) and held-out loss against training time (PNG)."""
+    res = time_to_target(summaries, target)
+    os.makedirs(out_dir, exist_ok=True)
+    lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients, real rounds "
+              "over the emulated network, real held-out loss of the model trained)", ""] if res["emulation"] else [])
+    lines += [f"Target held-out loss {res['target']:.4f}. Medians over repeats; [range]. Time = training time "
+              "(evaluations excluded), crossing interpolated between evaluations. Ratios within each repeat.", "",
+              "| variant | runs | tokens per step | s per step | time to target s [range] | × stock (faster > 1) | "
+              "held-out loss at equal time |", "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        base = r["variant"].split("@")[0]
+        name = LABELS.get(base, base) + (f" (gradient_accumulation_steps {r['variant'].split('@gas')[1]})"
+                                         if "@gas" in r["variant"] else "")
+        rng = r["time_to_target_range"]
+        ttt = (f"{r['time_to_target_s']:.1f} [{rng[0]:.1f}–{rng[1]:.1f}]" if r["time_to_target_s"] is not None
+               else f"not reached in {r['runs'] - r['reached']} of {r['runs']}")
+        vr = r["vs_stock_range"]
+        vs = (f"{r['vs_stock']:.2f} [{vr[0]:.2f}–{vr[1]:.2f}]" if r["vs_stock"] is not None else "–")
+        lines.append(f"| {name} | {r['runs']} | {_fmt(r['tokens_per_step'], '.0f')} | {_fmt(r['step_s'])} | {ttt} | "
+                     f"{vs} | {_fmt(r['loss_at_equal_time'], '.4f')} (at {_fmt(r['equal_time_s'], '.0f')} s) |")
+    md = os.path.join(out_dir, f"{stem}.md")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    js = os.path.join(out_dir, f"{stem}.json")
+    with open(js, "w") as f:
+        json.dump({k: v for k, v in res.items()}, f, indent=1)
+    paths = [md, js]
+    try:
+        plt = _plt()
+    except ImportError:
+        return paths
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {}
+    for k, rows in sorted(res["curves"].items()):
+        for name, r in rows.items():
+            base = name.split("@")[0]
+            label = (LABELS.get(base, base) + (f" ({name.split('@')[1]})" if "@" in name else "")) if k == min(res["curves"]) else None
+            line, = ax.plot([p["time_s"] for p in r["curve"]], [p["loss"] for p in r["curve"]], lw=1,
+                            color=colors.get(name), label=label, alpha=0.85)
+            colors.setdefault(name, line.get_color())
+    ax.axhline(res["target"], color="grey", ls=":", lw=1, label=f"target {res['target']:.3f}")
+    ax.set_xlabel("training time, s (evaluations excluded)")
+    ax.set_ylabel("held-out loss (committed weights)")
+    ax.set_title(("EMULATION: " if res["emulation"] else "") + "held-out loss against training time")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return paths + [_save(plt, fig, out_dir, stem)]

@@ -431,7 +431,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
                 v["heldout_gap"] = v["final_heldout"] / stock["final_heldout"] - 1.0
     advice = advisor.advise(probe, gas)
     points = [{"label": raw.get("label", ""), "mode": k, "measured_step_s": v["step_s"],
-               "predicted_step_s": v["predicted_step_s"]} for k, v in variants.items() if k in VARIANTS and k != "dynamic"
+               "predicted_step_s": v["predicted_step_s"]} for k, v in variants.items() if k in VARIANTS and mode_of(k) != "dynamic"
               and not is_fsdp(k)]  # the advisor models DeepSpeed's collectives
     if "dynamic" in variants and variants["dynamic"]["tokens_per_s"]:
         d = variants["dynamic"]  # dynamic steps vary in size: compare time per token instead

@@ -33,14 +33,23 @@ import torch.distributed as dist
 
 from ds_acco.gpt import CausalLM, heldout_loss, param_groups
 
+LR_RULES = ("sqrt", "linear")  # dynamic_<rule>: acco.dynamic.lr_scaling = <rule>
 DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu")
 FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
-VARIANTS = DS_VARIANTS + FSDP_VARIANTS
+LR_VARIANTS = tuple(f"dynamic_{r}" for r in LR_RULES)  # DeepSpeed, named explicitly (not in 'all')
+VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS
 
 
 def mode_of(variant: str) -> str:
-    """The schedule a variant runs ('stock', 'fixed', 'dynamic' or 'dpu'), whatever the framework."""
-    return variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
+    """The schedule a variant runs ('stock', 'fixed', 'dynamic' or 'dpu'), whatever the framework
+    and learning-rate rule."""
+    mode = variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
+    return "dynamic" if lr_rule_of(variant) else mode
+
+
+def lr_rule_of(variant: str) -> Optional[str]:
+    """The dynamic learning-rate rule a variant names (``dynamic_sqrt``: 'sqrt'), else None."""
+    return next((r for r in LR_RULES if variant.endswith(f"dynamic_{r}")), None)
 
 
 def is_fsdp(variant: str) -> bool:
@@ -68,6 +77,7 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
     AdamW settings of its ``optimizer`` block)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+    rule = lr_rule_of(variant)
     variant = mode_of(variant)
     cfg = copy.deepcopy(base)
     cfg.pop("acco", None)
@@ -86,6 +96,8 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
         hi = max(lo, spec.get("dynamic_max") or 256)
         cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "dynamic",
                        "dynamic": {"min_micro_batches": lo, "max_micro_batches": hi, "check_every": 1}}
+        if rule:
+            cfg["acco"]["dynamic"]["lr_scaling"] = rule
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
     return cfg

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -215,7 +216,9 @@ def test_boundary_positions():
 def test_variant_lists_and_unknown_variants():
     from ds_acco.bench.__main__ import main, parse_variants
     assert parse_variants("stock,fsdp") == ("stock", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
-    assert parse_variants("all") == worker_variants()
+    from ds_acco.bench import worker
+    assert parse_variants("all") == worker.DS_VARIANTS + worker.FSDP_VARIANTS  # the LR-rule variants by name only
+    assert parse_variants("dynamic_sqrt") == ("dynamic_sqrt",) and worker.mode_of("dynamic_linear") == "dynamic"
     with pytest.raises(ValueError, match="fsdp_acco"):
         runner.ABSpec(variants=("stock", "fsdp_acco"))
     assert main(["ab", "--network", "loopback", "--variants", "stock,fixd"]) == 2
@@ -249,6 +252,9 @@ def test_variant_configs_differ_only_in_the_acco_block():
     assert cfgs["fixed"]["acco"] == {"enabled": True, "mode": "acco", "accumulation": "fixed"}
     assert cfgs["dpu"]["acco"]["mode"] == "dpu"
     assert cfgs["dynamic"]["acco"]["dynamic"]["min_micro_batches"] == 8
+    assert "lr_scaling" not in cfgs["dynamic"]["acco"]["dynamic"]
+    for rule in worker.LR_RULES:
+        assert cfgs[f"dynamic_{rule}"]["acco"]["dynamic"] == dict(cfgs["dynamic"]["acco"]["dynamic"], lr_scaling=rule)
     for c in cfgs.values():
         rest = {k: v for k, v in c.items() if k != "acco"}
         assert rest == cfgs["stock"]
@@ -486,3 +492,32 @@ def test_sweep_merges_repeats_into_medians(tmp_path):
     assert m["fixed"]["vs_ideal_range"] == [pytest.approx(1.0 / ideal), pytest.approx(3.0 / ideal)]
     md = open(report.write_sweep(runs, str(tmp_path))[0]).read()
     assert "| pt | 2 | 3 |" in md and "Medians over the runs" in md
+
+
+def _curve(points):
+    return [{"step": i + 1, "loss": loss, "tokens": 0, "time_s": t} for i, (t, loss) in enumerate(points)]
+
+
+def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_path):
+    """Two repeats; stock reaches 2.0 at 10 s (rep 0) and 20 s (rep 1), fixed at 8 s and 10 s: the
+    ratios within repeats are 1.25 and 2.0 (median 1.625), not 15 s / 9 s of the medians."""
+    def summary(rep, gas, variants):
+        return {"label": f"ttt-rep{rep}", "gas": gas, "emulation": True,
+                "variants": {k: {"heldout_curve": _curve(c), "tokens_per_step": 2048 * gas // 8, "step_s": 1.0}
+                             for k, c in variants.items()}}
+    runs = [summary(0, 8, {"stock": [(5, 3.0), (15, 1.0)], "fixed": [(4, 3.0), (12, 1.0)],
+                           "dpu": [(5, 3.0), (10, 2.5)]}),
+            summary(1, 8, {"stock": [(10, 3.0), (30, 1.0)], "fixed": [(5, 3.0), (15, 1.0)],
+                           "dpu": [(5, 3.0), (10, 2.5)]}),
+            summary(0, 32, {"stock": [(20, 3.0), (40, 1.9)]}), summary(1, 32, {"stock": [(20, 3.0), (40, 1.9)]})]
+    res = report.time_to_target(runs, target=2.0)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert rows["stock"]["time_to_target_range"] == [pytest.approx(10.0), pytest.approx(20.0)]
+    assert rows["fixed"]["vs_stock"] == pytest.approx(1.625)
+    assert rows["dpu"]["time_to_target_s"] is None and rows["dpu"]["reached"] == 0
+    # stock at 4x the batch is its own row; equal time = the shortest run of each repeat (10 s)
+    assert rows["stock@gas32"]["time_to_target_s"] == pytest.approx(20 + 20 * 1.0 / 1.1)
+    assert rows["stock"]["loss_at_equal_time"] == pytest.approx(statistics.median([2.0, 3.0]))
+    assert report.time_to_target(runs)["target"] == pytest.approx(1.01)  # default: 1.01 x stock's last loss
+    md = open(report.write_time_to_target(runs, str(tmp_path), target=2.0)[0]).read()
+    assert "EMULATION" in md and "not reached in 2 of 2" in md and "gradient_accumulation_steps 32" in md
