@@ -344,12 +344,13 @@ def crossing_time(curve: Sequence[dict], target: float) -> Optional[float]:
     return None
 
 
-def loss_at_time(curve: Sequence[dict], t: float) -> Optional[float]:
-    """Held-out loss at training time ``t``, interpolated between evaluations (None: outside)."""
+def loss_at_time(curve: Sequence[dict], t: float, key: str = "time_s") -> Optional[float]:
+    """Held-out loss at training time ``t`` (or at ``t`` tokens, ``key="tokens"``), interpolated
+    between evaluations (None: outside the curve)."""
     for a, b in zip(curve, curve[1:]):
-        if a["time_s"] <= t <= b["time_s"]:
-            return a["loss"] + (b["loss"] - a["loss"]) * (t - a["time_s"]) / ((b["time_s"] - a["time_s"]) or 1.0)
-    return None
+        if a[key] <= t <= b[key]:
+            return a["loss"] + (b["loss"] - a["loss"]) * (t - a[key]) / ((b[key] - a[key]) or 1.0)
+    return curve[-1]["loss"] if curve and curve[-1][key] == t else None
 
 
 def _row_name(name: str, gas: int, main_gas: int) -> str:
@@ -384,12 +385,14 @@ def time_to_target(summaries: Sequence[dict], target: Optional[float] = None) ->
     per_rep: Dict[str, List[dict]] = {}
     for k, rows in sorted(curves.items()):
         t_equal = min(r["curve"][-1]["time_s"] for r in rows.values())
+        tokens_equal = rows["stock"]["curve"][-1]["tokens"] if "stock" in rows else None
         stock_t = crossing_time(rows["stock"]["curve"], target) if "stock" in rows else None
         for name, r in rows.items():
             t = crossing_time(r["curve"], target)
             per_rep.setdefault(name, []).append({
                 "rep": k, "time_to_target_s": t, "vs_stock": (stock_t / t) if stock_t and t else None,
                 "loss_at_equal_time": loss_at_time(r["curve"], t_equal), "equal_time_s": t_equal,
+                "loss_at_equal_tokens": loss_at_time(r["curve"], tokens_equal, "tokens") if tokens_equal else None,
                 "tokens_per_step": r["tokens_per_step"], "step_s": r["step_s"],
                 "final_loss": r["curve"][-1]["loss"], "final_time_s": r["curve"][-1]["time_s"]})
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
@@ -405,6 +408,8 @@ def time_to_target(summaries: Sequence[dict], target: Optional[float] = None) ->
                      "vs_stock": med(ratios) if len(ratios) == len(rs) else None,
                      "vs_stock_range": [min(ratios), max(ratios)] if ratios else None,
                      "loss_at_equal_time": med(eq), "equal_time_s": med([r["equal_time_s"] for r in rs]),
+                     "loss_at_equal_tokens": med([r["loss_at_equal_tokens"] for r in rs
+                                                  if r["loss_at_equal_tokens"] is not None]),
                      "tokens_per_step": med([r["tokens_per_step"] for r in rs if r["tokens_per_step"]]),
                      "step_s": med([r["step_s"] for r in rs if r["step_s"]]), "repeats": rs})
     return {"target": target, "main_gas": main_gas, "rows": rows,
@@ -422,7 +427,7 @@ def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "t
     lines += [f"Target held-out loss {res['target']:.4f}. Medians over repeats; [range]. Time = training time "
               "(evaluations excluded), crossing interpolated between evaluations. Ratios within each repeat.", "",
               "| variant | runs | tokens per step | s per step | time to target s [range] | × stock (faster > 1) | "
-              "held-out loss at equal time |", "|---|---|---|---|---|---|---|"]
+              "held-out loss at equal time | held-out loss at stock's tokens |", "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         base = r["variant"].split("@")[0]
         name = LABELS.get(base, base) + (f" (gradient_accumulation_steps {r['variant'].split('@gas')[1]})"
@@ -433,7 +438,8 @@ def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "t
         vr = r["vs_stock_range"]
         vs = (f"{r['vs_stock']:.2f} [{vr[0]:.2f}–{vr[1]:.2f}]" if r["vs_stock"] is not None else "–")
         lines.append(f"| {name} | {r['runs']} | {_fmt(r['tokens_per_step'], '.0f')} | {_fmt(r['step_s'])} | {ttt} | "
-                     f"{vs} | {_fmt(r['loss_at_equal_time'], '.4f')} (at {_fmt(r['equal_time_s'], '.0f')} s) |")
+                     f"{vs} | {_fmt(r['loss_at_equal_time'], '.4f')} (at {_fmt(r['equal_time_s'], '.0f')} s) | "
+                     f"{_fmt(r['loss_at_equal_tokens'], '.4f')} |")
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")

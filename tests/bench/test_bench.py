@@ -495,7 +495,7 @@ def test_sweep_merges_repeats_into_medians(tmp_path):
 
 
 def _curve(points):
-    return [{"step": i + 1, "loss": loss, "tokens": 0, "time_s": t} for i, (t, loss) in enumerate(points)]
+    return [{"step": i + 1, "loss": loss, "tokens": 1000 * (i + 1), "time_s": t} for i, (t, loss) in enumerate(points)]
 
 
 def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_path):
@@ -520,4 +520,5 @@ def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_pat
     assert rows["stock"]["loss_at_equal_time"] == pytest.approx(statistics.median([2.0, 3.0]))
     assert report.time_to_target(runs)["target"] == pytest.approx(1.01)  # default: 1.01 x stock's last loss
     md = open(report.write_time_to_target(runs, str(tmp_path), target=2.0)[0]).read()
+    assert rows["fixed"]["loss_at_equal_tokens"] == pytest.approx(1.0)  # both ended at the same tokens
     assert "EMULATION" in md and "not reached in 2 of 2" in md and "gradient_accumulation_steps 32" in md
