@@ -417,11 +417,8 @@ def time_to_target(summaries: Sequence[dict], target: Optional[float] = None) ->
             "labels": sorted(s["label"] for s in summaries), "curves": curves}
 
 
-def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "time_to_target",
-                         target: Optional[float] = None) -> List[str]:
-    """The time-to-target table (Markdown, JSON) and held-out loss against training time (PNG)."""
-    res = time_to_target(summaries, target)
-    os.makedirs(out_dir, exist_ok=True)
+def time_to_target_markdown(res: dict) -> str:
+    """The table of :func:`time_to_target`'s result."""
     lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients, real rounds "
               "over the emulated network, real held-out loss of the model trained)", ""] if res["emulation"] else [])
     lines += [f"Target held-out loss {res['target']:.4f}. Medians over repeats; [range]. Time = training time "
@@ -440,6 +437,15 @@ def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "t
         lines.append(f"| {name} | {r['runs']} | {_fmt(r['tokens_per_step'], '.0f')} | {_fmt(r['step_s'])} | {ttt} | "
                      f"{vs} | {_fmt(r['loss_at_equal_time'], '.4f')} (at {_fmt(r['equal_time_s'], '.0f')} s) | "
                      f"{_fmt(r['loss_at_equal_tokens'], '.4f')} |")
+    return "\n".join(lines)
+
+
+def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "time_to_target",
+                         target: Optional[float] = None) -> List[str]:
+    """The time-to-target table (Markdown, JSON) and held-out loss against training time (PNG)."""
+    res = time_to_target(summaries, target)
+    os.makedirs(out_dir, exist_ok=True)
+    lines = [time_to_target_markdown(res)]
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")

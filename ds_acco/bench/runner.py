@@ -479,4 +479,7 @@ def run_ab(spec: ABSpec, out_dir: str, *, command: str = "", out=None) -> dict:
     paths = report.write(summary, out_dir, label)
     out.write(f"wrote {', '.join(paths)}\n")
     out.write(report.markdown_table(summary) + "\n")
+    if "stock" in summary["variants"] and any(len(v.get("heldout_curve") or []) > 1 for v in summary["variants"].values()):
+        out.write("\nTime to target (this run):\n\n" + report.time_to_target_markdown(report.time_to_target([summary]))
+                  + "\n")
     return summary
