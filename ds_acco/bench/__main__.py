@@ -184,6 +184,25 @@ def cmd_ttt(a) -> int:
         summaries, out, stem=a.stem, target=a.target_loss))
 
 
+def cmd_advisor_check(a) -> int:
+    summaries = _summaries(a.paths)
+    res = advisor.out_of_sample(summaries)
+    if not res["rows"]:
+        print("no two runs of the same setup: nothing to predict out of sample", file=sys.stderr)
+        return 1
+
+    def line(name, st):
+        by = ", ".join(f"{m} {e:.1%}" for m, e in st["mean_abs_error_by_mode"].items())
+        return f"{name}: {st['n']} predictions, mean |error| {st['mean_abs_error']:.1%}, max {st['max_abs_error']:.1%} ({by})"
+    text = "\n".join([line("out of sample (probe of another run of the same setup)", res["out_of_sample"]),
+                      line("in sample (each run's own probe), same runs", res["in_sample"])])
+    print(text)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "advisor_out_of_sample.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -224,6 +243,11 @@ def main(argv=None) -> int:
     sw.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
     sw.add_argument("--out", default="bench_results")
     sw.set_defaults(fn=cmd_sweep)
+    ac = sub.add_parser("advisor-check", help="the advisor's step-time error out of sample: each run predicted "
+                        "from the probe of another run of the same setup")
+    ac.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
+    ac.add_argument("--out", default="bench_results")
+    ac.set_defaults(fn=cmd_advisor_check)
     tt = sub.add_parser("ttt", help="time to a target held-out loss and loss at equal wall-clock, per variant, "
                         "over repeated launches (scripts/time_to_target_emulated.sh)")
     tt.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json) of one setting")

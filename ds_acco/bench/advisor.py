@@ -190,6 +190,57 @@ def validate(points: Sequence[dict]) -> dict:
             "mean_abs_error_by_mode": {m: sum(v) / len(v) for m, v in by_mode.items()}}
 
 
+def _setup(summary: dict) -> tuple:
+    """What a probe depends on besides gradient_accumulation_steps: ranks, network, model, compute."""
+    return (summary["world"], summary.get("rate"), summary.get("network"), summary.get("n_params"),
+            summary.get("tokens_per_micro_batch"), summary.get("emulation"), summary.get("slow_rank"),
+            summary.get("slow_factor"))
+
+
+def _measured(variant: dict, mode: str) -> Optional[float]:
+    """Seconds per step (dynamic: per token, its steps vary in size)."""
+    if mode == "dynamic":
+        return 1.0 / variant["tokens_per_s"] if variant.get("tokens_per_s") else None
+    return variant.get("step_s")
+
+
+def out_of_sample(summaries: Sequence[dict]) -> dict:
+    """The advisor's error out of sample: every run's step times predicted from the probe of
+    another run of the same setup (same ranks, network, model and compute; any
+    gradient_accumulation_steps), at the predicted run's own gradient_accumulation_steps. Beside
+    it, the in-sample error (each run predicted from its own probe) over the same runs."""
+    fields = {f.name for f in dataclasses.fields(Probe)}
+    rows, inside = [], []
+    for target in summaries:
+        for name, v in target["variants"].items():
+            if name not in ("stock", "fixed", "dpu", "dynamic"):
+                continue
+            meas = _measured(v, name)
+            if not meas:
+                continue
+            for source in summaries:
+                if _setup(source) != _setup(target):
+                    continue
+                probe = Probe(**{k: x for k, x in source["probe"].items() if k in fields})
+                pred = predict(probe, target["gas"])[name]
+                value = (1.0 / pred.tokens_per_s) if name == "dynamic" else pred.step_s
+                row = {"probe_run": source["label"], "run": target["label"], "mode": name, "gas": target["gas"],
+                       "measured": meas, "predicted": value, "error": (value - meas) / meas}
+                (inside if source is target else rows).append(row)
+
+    def stats(rs):
+        by_mode: Dict[str, List[float]] = {}
+        for r in rs:
+            by_mode.setdefault(r["mode"], []).append(abs(r["error"]))
+        errs = [abs(r["error"]) for r in rs]
+        return {"n": len(rs), "mean_abs_error": sum(errs) / len(errs) if errs else None,
+                "max_abs_error": max(errs) if errs else None,
+                "mean_abs_error_by_mode": {m: sum(e) / len(e) for m, e in sorted(by_mode.items())}}
+    targets = {r["run"] for r in rows}
+    return {"out_of_sample": stats(rows), "in_sample": stats([r for r in inside if r["run"] in targets]),
+            "rows": rows}
+
+
 def explain(advice: Advice, probe: Probe) -> str:
     """A short human-readable report of a probe, the predictions and the advice."""
     bw = probe.bandwidth_gbit

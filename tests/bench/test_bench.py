@@ -522,3 +522,19 @@ def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_pat
     md = open(report.write_time_to_target(runs, str(tmp_path), target=2.0)[0]).read()
     assert rows["fixed"]["loss_at_equal_tokens"] == pytest.approx(1.0)  # both ended at the same tokens
     assert "EMULATION" in md and "not reached in 2 of 2" in md and "gradient_accumulation_steps 32" in md
+
+
+def test_advisor_out_of_sample_predicts_each_run_from_another_runs_probe():
+    probe = {"micro_batch_s": 0.1, "all_reduce_s": 0.2, "all_gather_s": 0.1, "opt_step_s": 0.0, "latency_s": 0.0,
+             "world": 2, "tokens_per_micro_batch": 128, "comm_cpu_fraction": 0.0, "shared_cores": False,
+             "backend": "gloo", "comm_bytes": 0}
+    base = {"world": 2, "rate": "1gbit", "network": "emulated", "n_params": 10, "tokens_per_micro_batch": 128}
+    a = dict(base, label="a", gas=4, probe=probe, variants={"stock": {"step_s": 0.7}})
+    b = dict(base, label="b", gas=16, probe=dict(probe, micro_batch_s=0.2), variants={"stock": {"step_s": 2.0}})
+    other = dict(base, label="c", gas=16, rate="100mbit", probe=probe, variants={"stock": {"step_s": 9.0}})
+    res = advisor.out_of_sample([a, b, other])
+    rows = {(r["run"], r["probe_run"]): r for r in res["rows"]}
+    assert set(rows) == {("a", "b"), ("b", "a")}  # never its own probe, never another setup's
+    # b (gas 16) from a's probe: 16 x 0.1 + 0.3 = 1.9 s against 2.0 measured
+    assert rows[("b", "a")]["predicted"] == pytest.approx(1.9) and rows[("b", "a")]["error"] == pytest.approx(-0.05)
+    assert res["in_sample"]["n"] == 2 and res["out_of_sample"]["n"] == 2
