@@ -15,9 +15,12 @@ communication thread. This module stands in for the accelerator:
   real (emulated) network.
 
 Results measured this way are emulation and are labelled so wherever they are reported
-(``summary['emulation']``, the Markdown table's header). The loss curves of an emulated run
-are not a fidelity result (the small GPT learns, the bulk does not): fidelity comes from real
-runs of the GPT at equal tokens.
+(``summary['emulation']``, the Markdown table's header). The loss of an emulated run is the
+small GPT's real training loss under each schedule (the bulk's gradient is exactly zero, so it
+changes neither the update nor the clipping norm): its held-out curve against the emulated time
+gives a time to target for that small model (``scripts/time_to_target_emulated.sh``). It says
+nothing about how a large model's loss responds to the same schedule: that is what the real
+fidelity runs at equal tokens are for.
 """
 from __future__ import annotations
 
