@@ -7,6 +7,7 @@
 # stock also runs at that gradient_accumulation_steps (stock at dynamic's larger batch).
 #   scripts/time_to_target_emulated.sh [OUT_DIR]
 #   env: WORLD=2 RATE=1gbit GAS=8 RATIO=4 ROUND_S=0.25 PARAMS=4e6 STEPS=150 EVAL_EVERY=10 REPEATS=3 BIG_GAS=
+#        VARIANTS="stock fixed dpu dynamic dynamic_sqrt dynamic_linear" (space-separated)
 # ROUND_S is one round's time at PARAMS measured beforehand (e.g. the sweep's probe); the wait per
 # micro-batch makes one round RATIO x half a step's compute (the run measures the real ratio).
 set -uo pipefail
@@ -16,7 +17,7 @@ export DS_ACCELERATOR=cpu
 PY=${PYTHON:-python}
 WORLD=${WORLD:-2}; RATE=${RATE:-1gbit}; GAS=${GAS:-8}; RATIO=${RATIO:-4}; ROUND_S=${ROUND_S:-0.25}
 PARAMS=${PARAMS:-4e6}; STEPS=${STEPS:-150}; EVAL_EVERY=${EVAL_EVERY:-10}; REPEATS=${REPEATS:-3}; BIG_GAS=${BIG_GAS:-}
-VARIANTS=(stock fixed dpu dynamic dynamic_sqrt dynamic_linear)
+read -r -a VARIANTS <<<"${VARIANTS:-stock fixed dpu dynamic dynamic_sqrt dynamic_linear}"
 MODEL=(--n-embd 128 --n-layer 2 --n-head 4 --emulate-params "$PARAMS" --eval-every "$EVAL_EVERY" --eval-batches 4)
 wait_s=$("$PY" -c "print(round($ROUND_S / ($RATIO * $GAS / 2), 4))")
 stem="ttt-w$WORLD-$RATE-gas$GAS-r$RATIO"
