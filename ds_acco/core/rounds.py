@@ -209,19 +209,23 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
 @contextlib.contextmanager
 def _scaled_lr(optimizer, factor: float):
     """Every param group's learning rate × ``factor`` for one step, then exactly the scheduler's
-    value again. Rounds run one at a time, and the scheduler advances on the compute lane between
-    rounds (``on_commit``), so nothing else writes the learning rate meanwhile."""
+    value again. Our schedulers advance on the compute lane between rounds (``on_commit``); a
+    caller's own scheduler that writes ``lr`` from its thread while the step runs (Megatron's, after
+    ``engine.step()``) keeps its value: a group is restored only if it still holds ours."""
     if factor == 1.0:
         yield
         return
-    saved = [g["lr"] for g in optimizer.param_groups]
+    groups = optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    scaled = [lr * factor for lr in saved]
     try:
-        for g, lr in zip(optimizer.param_groups, saved):
-            g["lr"] = lr * factor
+        for g, lr in zip(groups, scaled):
+            g["lr"] = lr
         yield
     finally:
-        for g, lr in zip(optimizer.param_groups, saved):
-            g["lr"] = lr
+        for g, lr, ours in zip(groups, saved, scaled):
+            if g["lr"] is ours:
+                g["lr"] = lr
 
 
 def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
