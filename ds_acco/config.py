@@ -28,7 +28,8 @@ class DynamicConfig(BaseModel):
     lr_scaling: Literal["none", "sqrt", "linear"] = Field(
         "none", description="Scale each round's learning rate by (its global micro-batches / what fixed "
         "accumulation would give it) to this power (none: 0, sqrt: 0.5, linear: 1), so that the larger "
-        "batches of long rounds move the weights further; the scheduler's value is restored after the step.")
+        "batches of long rounds move the weights further. SGD / Adam / AdamW read the scaled rate without "
+        "writing the param groups; other optimizers have it written there for the step only.")
 
     @property
     def lr_power(self) -> float:

@@ -157,7 +157,7 @@ def cmd_advise(a) -> int:
 
 
 def _summaries(patterns) -> list:
-    paths = [p for pat in patterns for p in sorted(glob.glob(pat))]
+    paths = list(dict.fromkeys(p for pat in patterns for p in sorted(glob.glob(pat))))  # overlapping globs: once
     return report.load_summaries([p for p in paths if p.endswith(".json") and not p.endswith((".raw.json", ".spec.json"))])
 
 

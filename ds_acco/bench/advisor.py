@@ -226,7 +226,7 @@ def out_of_sample(summaries: Sequence[dict]) -> dict:
                 value = (1.0 / pred.tokens_per_s) if name == "dynamic" else pred.step_s
                 row = {"probe_run": source["label"], "run": target["label"], "mode": name, "gas": target["gas"],
                        "measured": meas, "predicted": value, "error": (value - meas) / meas}
-                (inside if source is target else rows).append(row)
+                (inside if source["label"] == target["label"] else rows).append(row)
 
     def stats(rs):
         by_mode: Dict[str, List[float]] = {}

@@ -369,13 +369,22 @@ def time_to_target(summaries: Sequence[dict], target: Optional[float] = None) ->
     import statistics
     if not summaries:
         raise ValueError("no summaries to combine")
+    from .advisor import _setup
+    setups = {_setup(s): s["label"] for s in summaries}
+    if len(setups) > 1:
+        raise ValueError(f"runs of different setups ({', '.join(sorted(setups.values()))}): time to target compares "
+                         "variants of one setting (ranks, network, model, compute); pass one setting's runs")
     main_gas = next((s["gas"] for s in summaries if "fixed" in s["variants"]), summaries[0]["gas"])
     rep = lambda s: int(m.group(1)) if (m := re.search(r"-rep(\d+)$", s["label"])) else 0  # noqa: E731
     curves: Dict[int, Dict[str, dict]] = {}
     for s in summaries:
         for name, v in s["variants"].items():
             if v.get("heldout_curve"):
-                curves.setdefault(rep(s), {})[_row_name(name, s["gas"], main_gas)] = {
+                key = _row_name(name, s["gas"], main_gas)
+                if key in curves.get(rep(s), {}):
+                    raise ValueError(f"two runs of {key!r} in repeat {rep(s)} (label {s['label']!r}): give each "
+                                     "launch of a setting its own -rep<k> label")
+                curves.setdefault(rep(s), {})[key] = {
                     "curve": v["heldout_curve"], "tokens_per_step": v.get("tokens_per_step"), "step_s": v.get("step_s")}
     if target is None:
         finals = [c["stock"]["curve"][-1]["loss"] for c in curves.values() if "stock" in c]

@@ -326,13 +326,12 @@ def heldout_curve(run: dict, tokens: Dict[int, int]) -> List[dict]:
 
 
 def time_to_target(points: Sequence[dict], target: Optional[float]) -> Optional[float]:
-    """Training time of the first point at or below ``target`` (None: never reached)."""
+    """Training time at which the held-out curve first reaches ``target``, interpolated between
+    the evaluations around the crossing as ``python -m ds_acco.bench ttt`` does (None: never)."""
     if target is None:
         return None
-    for p in points:
-        if p["loss"] <= target:
-            return p["time_s"]
-    return None
+    from .report import crossing_time
+    return crossing_time(points, target)
 
 
 def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:

@@ -125,9 +125,10 @@ def supports(optimizer) -> bool:
 
 # -- the entry point -------------------------------------------------------------------------
 def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-                  outs: Sequence[torch.Tensor], chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> None:
+                  outs: Sequence[torch.Tensor], chunk_elems: int = DEFAULT_CHUNK_ELEMS, lr_scale: float = 1.0) -> None:
     """``outs[i] ← Opt(θ, S, g)`` for ``params[i]``, as one ``optimizer.step()`` with ``p.grad =
-    grads[i]`` would compute it; ``params``, the state and the param groups are only read.
+    grads[i]`` would compute it; ``params``, the state and the param groups are only read
+    (``lr_scale``: the step uses each group's learning rate × this, without writing it).
 
     ``params`` are tensors the optimizer owns (the ones a real step would see a gradient on; a
     ``None`` gradient leaves the parameter as it is, as the step would). Parameters, gradients
@@ -146,11 +147,17 @@ def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Opt
     if not (len(params) == len(grads) == len(outs)):
         raise ValueError("params, grads and outs must have the same length")
     with torch.no_grad():
-        _estimate_into(optimizer, kind, params, grads, outs, chunk_elems)
+        _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale)
 
 
-def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems) -> None:
-    group_of = {id(p): g for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
+def _with_lr_scale(group: dict, lr_scale: float) -> dict:
+    """The group as the kernels read it: a copy with the learning rate × ``lr_scale`` (never the
+    optimizer's own dict: a scheduler may write it from another thread meanwhile)."""
+    return group if lr_scale == 1.0 else {**group, "lr": group["lr"] * lr_scale}
+
+
+def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1.0) -> None:
+    group_of = {id(p): _with_lr_scale(g, lr_scale) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
     items = []
     for p, g, o in zip(params, grads, outs):
         group = group_of.get(id(p))
@@ -225,7 +232,7 @@ def supports_commit(optimizer) -> bool:
 
 
 def commit_in_place(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-                    chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> None:
+                    chunk_elems: int = DEFAULT_CHUNK_ELEMS, lr_scale: float = 1.0) -> None:
     """θ, S ← Opt(θ, S, g) in place: what one ``optimizer.step()`` with ``p.grad = grads[i]`` (and
     no gradient on any other parameter) does to the parameters and the optimizer state, bit for
     bit, including torch's lazy state initialisation on a parameter's first step (the same
@@ -254,7 +261,8 @@ def commit_in_place(optimizer, params: Sequence[torch.Tensor], grads: Sequence[O
         raise ValueError("every parameter must belong to the optimizer")
     ws = _Workspace(chunk_elems)
     with torch.no_grad():
-        for group in optimizer.param_groups:  # step()'s order (state entries are created in it)
+        for owner in optimizer.param_groups:  # step()'s order (state entries are created in it)
+            group = _with_lr_scale(owner, lr_scale)  # ``lr_scale``: as in estimate_into
             for p in group[_GROUP_PARAMS]:
                 g = grad_of.get(id(p))
                 if g is None:

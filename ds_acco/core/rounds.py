@@ -13,7 +13,6 @@ functional step pays a snapshot of the shard and its state for the estimate (sha
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 import time
@@ -189,43 +188,21 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                         t.mul_(1.0 / factor)
             param_grads = [pg for g, gs in zip(ctx.groups, grads) for pg in g.param_grads(gs)]
             lr_factor = ctx.lr_factor(kind, sum(t.micro_batches for t in per_rank))
-            with record_function(f"ACCO::{kind.value}_step"), _scaled_lr(ctx.shard_optimizer.optimizer, lr_factor):
+            with record_function(f"ACCO::{kind.value}_step"):
                 if kind is RoundKind.COMMIT:
                     before = _keep_shards_for_drift(ctx)
-                    ctx.shard_optimizer.commit(param_grads)
+                    ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor)
                     if before is not None:
                         drift = _drift(ctx, before)
                     write_shards(ctx)
                 else:
                     outs = [v for g in ctx.groups for v in g.shard_views(g.gather_view())]
-                    ctx.shard_optimizer.estimate_into(param_grads, outs)
+                    ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor)
         del grads, flat_grads
         with record_function("ACCO::all_gather"):
             gather(ctx)
     return RoundResult(kind, step, local, per_rank, grad_norm, drift, reports, started, time.perf_counter(),
                        skipped=skipped, lr_factor=lr_factor)
-
-
-@contextlib.contextmanager
-def _scaled_lr(optimizer, factor: float):
-    """Every param group's learning rate × ``factor`` for one step, then exactly the scheduler's
-    value again. Our schedulers advance on the compute lane between rounds (``on_commit``); a
-    caller's own scheduler that writes ``lr`` from its thread while the step runs (Megatron's, after
-    ``engine.step()``) keeps its value: a group is restored only if it still holds ours."""
-    if factor == 1.0:
-        yield
-        return
-    groups = optimizer.param_groups
-    saved = [g["lr"] for g in groups]
-    scaled = [lr * factor for lr in saved]
-    try:
-        for g, lr in zip(groups, scaled):
-            g["lr"] = lr
-        yield
-    finally:
-        for g, lr, ours in zip(groups, saved, scaled):
-            if g["lr"] is ours:
-                g["lr"] = lr
 
 
 def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:

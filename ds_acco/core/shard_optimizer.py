@@ -17,6 +17,7 @@ The commit of torch SGD/Adam/AdamW is functional too (in place, chunk by chunk, 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable, List, Optional, Sequence, TypeVar
 
@@ -56,22 +57,29 @@ class ShardOptimizer:
         without step hooks; checked per call) rather than through ``optimizer.step()``."""
         return functional_step.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
 
-    def commit(self, grads: Sequence[torch.Tensor], read: Optional[Callable[[], T]] = None) -> Optional[T]:
+    def commit(self, grads: Sequence[torch.Tensor], read: Optional[Callable[[], T]] = None,
+               lr_scale: float = 1.0) -> Optional[T]:
         """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step) if given.
 
         For torch SGD/Adam/AdamW the step is :func:`functional_step.commit_in_place`: bit-identical
         to ``optimizer.step()``, but with chunk-sized temporaries only (torch's Adam step allocates
         shard-sized ones, and the commit runs while the compute lane's activations are alive);
-        any other optimizer (DeepSpeed's Adams included) takes its real step."""
+        any other optimizer (DeepSpeed's Adams included) takes its real step.
+
+        ``lr_scale``: the step uses each group's learning rate × this (dynamic mode's
+        ``lr_scaling``). The functional step reads it without writing the param groups; a real
+        step needs it written there for its duration (:func:`scaled_lr`)."""
         if len(grads) != len(self.masters):
             raise ValueError(f"expected {len(self.masters)} gradients, got {len(grads)}")
         if self.functional_commit:
-            functional_step.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems)
+            functional_step.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale)
         else:
-            self._step(grads)
+            with scaled_lr(self.optimizer, lr_scale):
+                self._step(grads)
         return None if read is None else read()
 
-    def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+    def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                      lr_scale: float = 1.0) -> None:
         """``outs[i] ← θ̃[i]`` of Opt(θ, S, g) (cast to each out's dtype); θ and S are left exactly
         as they were. ``outs[i]`` is contiguous with the (local) numel of master ``i``.
 
@@ -82,7 +90,7 @@ class ShardOptimizer:
             raise ValueError(f"expected {len(self.masters)} gradients and outputs, "
                              f"got {len(grads)} and {len(outs)}")
         if self.functional:
-            functional_step.estimate_into(self.optimizer, self.masters, grads, outs, self.chunk_elems)
+            functional_step.estimate_into(self.optimizer, self.masters, grads, outs, self.chunk_elems, lr_scale)
             return
 
         def copy_out() -> None:
@@ -93,7 +101,8 @@ class ShardOptimizer:
                         raise ValueError(f"output has {dst.numel()} elements, shard {src.numel()}")
                     dst.view(-1).copy_(src.reshape(-1))
 
-        self.estimate(grads, copy_out)
+        with scaled_lr(self.optimizer, lr_scale):
+            self.estimate(grads, copy_out)
 
     def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
         """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly.
@@ -154,6 +163,35 @@ class ShardOptimizer:
             for k in [k for k in g if k != _GROUP_PARAMS and k not in values]:
                 del g[k]
             g.update(values)
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
+    """Every param group's learning rate × ``factor`` for the duration (a real ``optimizer.step()``
+    reads it from the group), then the value it had. A group whose learning rate a scheduler
+    changed meanwhile (from another thread) keeps the scheduler's value, as far as a value can
+    tell: one that computes from the current value (torch's chainable schedulers) computed from
+    the scaled one, so step such schedulers between rounds (DeepSpeed's ``lr_scheduler``, which
+    ACCO steps after each commit) or use an optimizer with a functional step, which never writes
+    the groups. A tensor learning rate is refused (it may be updated in place)."""
+    if factor == 1.0:
+        yield
+        return
+    groups = optimizer.param_groups
+    if any(torch.is_tensor(g["lr"]) for g in groups):
+        raise ValueError("acco.dynamic.lr_scaling with a tensor learning rate and an optimizer without a functional "
+                         f"step ({type(optimizer).__name__}): the scaled rate cannot be undone safely; fix: use a "
+                         "float lr, or set acco.dynamic.lr_scaling to 'none'")
+    saved = [g["lr"] for g in groups]
+    scaled = [lr * factor for lr in saved]
+    try:
+        for g, lr in zip(groups, scaled):
+            g["lr"] = lr
+        yield
+    finally:
+        for g, lr, ours in zip(groups, saved, scaled):
+            if g["lr"] == ours:
+                g["lr"] = lr
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -502,7 +502,7 @@ def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_pat
     """Two repeats; stock reaches 2.0 at 10 s (rep 0) and 20 s (rep 1), fixed at 8 s and 10 s: the
     ratios within repeats are 1.25 and 2.0 (median 1.625), not 15 s / 9 s of the medians."""
     def summary(rep, gas, variants):
-        return {"label": f"ttt-rep{rep}", "gas": gas, "emulation": True,
+        return {"label": f"ttt-rep{rep}" if gas == 8 else f"ttt-big-rep{rep}", "gas": gas, "emulation": True, "world": 2,
                 "variants": {k: {"heldout_curve": _curve(c), "tokens_per_step": 2048 * gas // 8, "step_s": 1.0}
                              for k, c in variants.items()}}
     runs = [summary(0, 8, {"stock": [(5, 3.0), (15, 1.0)], "fixed": [(4, 3.0), (12, 1.0)],
@@ -522,6 +522,10 @@ def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_pat
     md = open(report.write_time_to_target(runs, str(tmp_path), target=2.0)[0]).read()
     assert rows["fixed"]["loss_at_equal_tokens"] == pytest.approx(1.0)  # both ended at the same tokens
     assert "EMULATION" in md and "not reached in 2 of 2" in md and "gradient_accumulation_steps 32" in md
+    with pytest.raises(ValueError, match="two runs of 'stock' in repeat 0"):
+        report.time_to_target(runs + [summary(0, 8, {"stock": [(5, 3.0), (15, 1.0)]})], target=2.0)
+    with pytest.raises(ValueError, match="different setups"):
+        report.time_to_target(runs + [dict(summary(2, 8, {"stock": [(5, 3.0)]}), world=4)], target=2.0)
 
 
 def test_advisor_out_of_sample_predicts_each_run_from_another_runs_probe():
