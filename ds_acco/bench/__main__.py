@@ -234,28 +234,25 @@ def main(argv=None) -> int:
     ad.set_defaults(fn=cmd_advise)
     sub.add_parser("timeline", help="trace compute and communication lanes of stock ZeRO-1 and ACCO into a PNG "
                    "(see python -m ds_acco.bench timeline --help)")
-    sm = sub.add_parser("summarize", help="combine A/B summaries into one Markdown file and an advisor plot")
-    sm.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
-    sm.add_argument("--out", default="bench_results")
-    sm.set_defaults(fn=cmd_summarize)
-    sw = sub.add_parser("sweep", help="speedup against the communication / compute ratio, with the ideal curves "
-                        "(scripts/emulation_sweep.sh)")
-    sw.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
-    sw.add_argument("--out", default="bench_results")
-    sw.set_defaults(fn=cmd_sweep)
-    ac = sub.add_parser("advisor-check", help="the advisor's step-time error out of sample: each run predicted "
-                        "from the probe of another run of the same setup")
-    ac.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json)")
-    ac.add_argument("--out", default="bench_results")
-    ac.set_defaults(fn=cmd_advisor_check)
-    tt = sub.add_parser("ttt", help="time to a target held-out loss and loss at equal wall-clock, per variant, "
-                        "over repeated launches (scripts/time_to_target_emulated.sh)")
-    tt.add_argument("paths", nargs="+", help="summary JSON files or globs (<label>.json) of one setting")
+    def from_summaries(name: str, fn, help: str, paths_help: str = "summary JSON files or globs (<label>.json)"):
+        """A subcommand that reads A/B summaries and writes into --out."""
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("paths", nargs="+", help=paths_help)
+        sp.add_argument("--out", default="bench_results")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    from_summaries("summarize", cmd_summarize, "combine A/B summaries into one Markdown file and an advisor plot")
+    from_summaries("sweep", cmd_sweep, "speedup against the communication / compute ratio, with the ideal curves "
+                   "(scripts/emulation_sweep.sh)")
+    from_summaries("advisor-check", cmd_advisor_check, "the advisor's step-time error out of sample: each run "
+                   "predicted from the probe of another run of the same setup")
+    tt = from_summaries("ttt", cmd_ttt, "time to a target held-out loss and loss at equal wall-clock, per variant, "
+                        "over repeated launches (scripts/time_to_target_emulated.sh)",
+                        "summary JSON files or globs (<label>.json) of one setting")
     tt.add_argument("--target-loss", type=float, default=None, help="default: 1.01 x stock's median last held-out "
                     "loss")
     tt.add_argument("--stem", default="time_to_target", help="output file name stem")
-    tt.add_argument("--out", default="bench_results")
-    tt.set_defaults(fn=cmd_ttt)
     a = p.parse_args(argv)
     # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
     # (ranks killed, namespaces deleted) instead of dying or being ignored.

@@ -190,7 +190,7 @@ def validate(points: Sequence[dict]) -> dict:
             "mean_abs_error_by_mode": {m: sum(v) / len(v) for m, v in by_mode.items()}}
 
 
-def _setup(summary: dict) -> tuple:
+def setup_key(summary: dict) -> tuple:
     """What a probe depends on besides gradient_accumulation_steps: ranks, network, model, compute."""
     return (summary["world"], summary.get("rate"), summary.get("network"), summary.get("n_params"),
             summary.get("tokens_per_micro_batch"), summary.get("emulation"), summary.get("slow_rank"),
@@ -219,7 +219,7 @@ def out_of_sample(summaries: Sequence[dict]) -> dict:
             if not meas:
                 continue
             for source in summaries:
-                if _setup(source) != _setup(target):
+                if setup_key(source) != setup_key(target):
                     continue
                 probe = Probe(**{k: x for k, x in source["probe"].items() if k in fields})
                 pred = predict(probe, target["gas"])[name]

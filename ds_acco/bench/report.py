@@ -369,8 +369,8 @@ def time_to_target(summaries: Sequence[dict], target: Optional[float] = None) ->
     import statistics
     if not summaries:
         raise ValueError("no summaries to combine")
-    from .advisor import _setup
-    setups = {_setup(s): s["label"] for s in summaries}
+    from .advisor import setup_key
+    setups = {setup_key(s): s["label"] for s in summaries}
     if len(setups) > 1:
         raise ValueError(f"runs of different setups ({', '.join(sorted(setups.values()))}): time to target compares "
                          "variants of one setting (ranks, network, model, compute); pass one setting's runs")
