@@ -157,7 +157,8 @@ def _with_lr_scale(group: dict, lr_scale: float) -> dict:
 
 
 def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1.0) -> None:
-    group_of = {id(p): _with_lr_scale(g, lr_scale) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
+    groups = [_with_lr_scale(g, lr_scale) for g in optimizer.param_groups]  # one copy per group, not per parameter
+    group_of = {id(p): g for g in groups for p in g[_GROUP_PARAMS]}
     items = []
     for p, g, o in zip(params, grads, outs):
         group = group_of.get(id(p))
