@@ -149,7 +149,7 @@ def cmd_advise(a) -> int:
     tok = a.micro_batch * a.seq_len
     probe = advisor.Probe.from_measured(raw["probe"], tokens_per_micro_batch=tok, cores=os.cpu_count(),
                                         ranks_per_machine=a.world if raw["network"] != "real" else 1)
-    adv = advisor.advise(probe, a.gas, max_gas=a.max_gas)
+    adv = advisor.advise(probe, a.gas, max_gas=a.max_gas, batch_fixed=not a.batch_flexible)
     print(advisor.explain(adv, probe))
     with open(os.path.join(a.out, f"{spec.name()}.advice.json"), "w") as f:
         json.dump({"probe": probe.__dict__, "advice": adv.as_dict()}, f, indent=1)
@@ -186,13 +186,14 @@ def cmd_ttt(a) -> int:
 
 def cmd_advisor_check(a) -> int:
     summaries = _summaries(a.paths)
-    res = advisor.out_of_sample(summaries)
+    res = advisor.out_of_sample(summaries, contention=a.contention)
     if not res["rows"]:
         print("no two runs of the same setup: nothing to predict out of sample", file=sys.stderr)
         return 1
 
     def line(name, st):
-        by = ", ".join(f"{m} {e:.1%}" for m, e in st["mean_abs_error_by_mode"].items())
+        by = ", ".join(f"{m} {e:.1%} (signed {st['mean_error_by_mode'][m]:+.1%})"
+                       for m, e in st["mean_abs_error_by_mode"].items())
         return f"{name}: {st['n']} predictions, mean |error| {st['mean_abs_error']:.1%}, max {st['max_abs_error']:.1%} ({by})"
     text = "\n".join([line("out of sample (probe of another run of the same setup)", res["out_of_sample"]),
                       line("in sample (each run's own probe), same runs", res["in_sample"])])
@@ -230,6 +231,10 @@ def main(argv=None) -> int:
                         "gradient_accumulation_steps")
     _add_run_args(ad, probe_only=True)
     ad.add_argument("--max-gas", type=int, default=64, help="largest gradient_accumulation_steps to recommend")
+    ad.add_argument("--batch-flexible", action="store_true",
+                    help="the global batch may grow: recommend a raised gradient_accumulation_steps or dynamic "
+                         "accumulation where they win on tokens/s (by default they are only reported, since a "
+                         "larger batch makes less progress per token)")
     ad.add_argument("--label", default=None)
     ad.set_defaults(fn=cmd_advise)
     sub.add_parser("timeline", help="trace compute and communication lanes of stock ZeRO-1 and ACCO into a PNG "
@@ -245,8 +250,11 @@ def main(argv=None) -> int:
     from_summaries("summarize", cmd_summarize, "combine A/B summaries into one Markdown file and an advisor plot")
     from_summaries("sweep", cmd_sweep, "speedup against the communication / compute ratio, with the ideal curves "
                    "(scripts/emulation_sweep.sh)")
-    from_summaries("advisor-check", cmd_advisor_check, "the advisor's step-time error out of sample: each run "
-                   "predicted from the probe of another run of the same setup")
+    ck = from_summaries("advisor-check", cmd_advisor_check, "the advisor's step-time error out of sample: each run "
+                        "predicted from the probe of another run of the same setup")
+    ck.add_argument("--contention", choices=advisor.CONTENTION_MODELS, default="auto",
+                    help="the contention model: measured (overlapped probe), kappa (CPU share; probes stored "
+                         "before the overlapped probe), auto (measured where the probe has it)")
     tt = from_summaries("ttt", cmd_ttt, "time to a target held-out loss and loss at equal wall-clock, per variant, "
                         "over repeated launches (scripts/time_to_target_emulated.sh)",
                         "summary JSON files or globs (<label>.json) of one setting")

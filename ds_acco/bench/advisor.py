@@ -11,15 +11,26 @@ micro-batch of the slowest rank):
   gloo stock ZeRO-1's per-owner reduces cost about one all-reduce, and ACCO reduces with an
   in-place all-reduce; on NCCL a reduce-scatter costs half an all-reduce) plus a few tiny
   collectives for counts and norms in ACCO's rounds.
-* Contention ``κ``: the fraction of a round's wall time that burns CPU (measured in the
-  probe). It only matters when the ranks have no spare core for their communication threads
-  (``shared_cores``: e.g. 2 ranks on 2 CPU cores); then overlapped communication steals that
-  CPU time from compute. On GPUs it is 0.
+* Contention, measured: the probe also runs rounds on a side thread while the compute lane
+  keeps computing, as ACCO does, and times both: ``t'`` per micro-batch and ``T_r'`` per round
+  while they overlap. On a CPU-only host the rounds' copies, reductions and shard step take
+  cores from compute and compute slows the rounds (on 2 ranks × 2 cores both by up to ~2×); on
+  an accelerator ``t' ≈ t`` and ``T_r' ≈ T_r``. A window of length ``T_r'`` overlapped with
+  compute then holds ``T_r'/t'`` micro-batches, and the rest of a window run at full speed:
+  ``W(n) = T_r' + max(0, n − T_r'/t')·t`` is the time of ``n`` micro-batches with one round
+  under them (``T_r'`` alone if the round outlasts them).
 * stock:   ``T_c + T_r``                       (nothing overlaps)
-* fixed:   ``max(T_c + 2κ·T_r, 2·T_r)``          (two rounds per step, each under half the compute)
-* dpu:     ``max(T_c + κ·T_r, T_r)``             (one round per step, one step stale)
-* dynamic: each phase lasts ``max(T_r, m·t + κ·T_r)`` with ``m`` the minimum micro-batches,
-  and holds ``n = max(m, ⌈(1−κ)·T_r / t⌉)`` micro-batches; its figure of merit is tokens/s.
+* fixed:   ``2·W(A/2)``                        (two rounds per step, one under each half)
+* dpu:     ``W(A)``                            (one round per step, one step stale)
+* dynamic: each phase holds ``n = max(m, ⌈T_r'/t'⌉)`` micro-batches (``m`` the minimum) and
+  lasts ``W(n)``; its figure of merit is tokens/s.
+
+Probes stored before the overlapped measurement existed (``round_overlap_s`` 0) use the older
+model: contention ``κ``, the fraction of a round's wall time that burns CPU, counted only when
+the ranks have no spare core (``shared_cores``); fixed ``max(T_c + 2κ·T_r, 2·T_r)``, dpu
+``max(T_c + κ·T_r, T_r)``, dynamic phases ``max(T_r, m·t + κ·T_r)`` of
+``n = max(m, ⌈(1−κ)·T_r / t⌉)`` micro-batches. It leaves out that compute slows the rounds,
+and predicted fixed 11–19% too fast on average (BENCHMARKS.md, advisor out of sample).
 
 The rule: ACCO sends two rounds per optimizer step, so fixed mode beats stock only when one
 round fits under half a step's compute (``T_r ≤ A·t/2``); otherwise raise ``A`` (a larger
@@ -46,6 +57,8 @@ class Probe:
     shared_cores: bool = False  # the ranks' compute threads use every core (no core left for comm)
     backend: str = "gloo"
     comm_bytes: int = 0
+    micro_batch_overlap_s: float = 0.0  # t': compute per micro-batch while rounds run beside it
+    round_overlap_s: float = 0.0  # T_r': one round (reduce + shard step + all-gather) beside compute
 
     @classmethod
     def from_measured(cls, probes: Sequence[dict], *, tokens_per_micro_batch: int, cores: Optional[int] = None,
@@ -60,7 +73,9 @@ class Probe:
                    comm_cpu_fraction=min(1.0, max(0.0, med("comm_cpu_fraction") if "comm_cpu_fraction" in probes[0]
                                                  else 0.0)),
                    shared_cores=cores is not None and rpm >= cores, backend=backend,
-                   comm_bytes=int(probes[0].get("comm_bytes", 0)))
+                   comm_bytes=int(probes[0].get("comm_bytes", 0)),
+                   micro_batch_overlap_s=max(p.get("micro_batch_overlap_s", 0.0) for p in probes),
+                   round_overlap_s=max(p.get("round_overlap_s", 0.0) for p in probes))
 
     @property
     def round_s(self) -> float:
@@ -73,6 +88,15 @@ class Probe:
         """Stock ZeRO-1's exposed communication per step (same pieces, no tiny collectives)."""
         reduce = self.all_reduce_s if self.backend == "gloo" else self.all_reduce_s / 2
         return reduce + self.opt_step_s + self.all_gather_s
+
+    @property
+    def overlap_measured(self) -> bool:
+        return self.round_overlap_s > 0 and self.micro_batch_overlap_s > 0
+
+    @property
+    def round_under_compute_s(self) -> float:
+        """``T_r'``: one ACCO round while compute runs beside it (+ the tiny collectives)."""
+        return self.round_overlap_s + 3 * self.latency_s
 
     @property
     def kappa(self) -> float:
@@ -97,11 +121,26 @@ class Prediction:
     compute_busy: float  # fraction of wall time the compute lane computes
 
 
-def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None) -> Dict[str, Prediction]:
-    """Predicted step time, micro-batches and tokens/s of each mode at ``gas``."""
-    t, tr, k = probe.micro_batch_s, probe.round_s, probe.kappa
+CONTENTION_MODELS = ("auto", "measured", "kappa")
+
+
+def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
+            contention: str = "auto") -> Dict[str, Prediction]:
+    """Predicted step time, micro-batches and tokens/s of each mode at ``gas``.
+
+    ``contention``: ``measured`` uses the probe's overlapped timings (``W(n)`` of the module
+    docstring), ``kappa`` the older CPU-share model, ``auto`` the first where the probe has them."""
+    if contention not in CONTENTION_MODELS:
+        raise ValueError(f"contention={contention!r}: use one of {', '.join(CONTENTION_MODELS)}")
+    if contention == "auto":
+        contention = "measured" if probe.overlap_measured else "kappa"
+    if contention == "measured" and not probe.overlap_measured:
+        raise ValueError("contention='measured' needs a probe with micro_batch_overlap_s and round_overlap_s "
+                         "(probes stored before they existed: use contention='kappa')")
+    t = probe.micro_batch_s
     tc = gas * t
     tok = probe.tokens_per_micro_batch * probe.world
+    m = dynamic_min if dynamic_min is not None else max(1, gas // 2)
     out = {}
 
     def add(mode: str, step: float, mbs: float) -> None:
@@ -109,9 +148,21 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None) -> Dic
                                min(1.0, mbs * t / step) if step > 0 else 1.0)
 
     add("stock", tc + probe.stock_comm_s, gas)
+    if contention == "measured":
+        ro, to = probe.round_under_compute_s, probe.micro_batch_overlap_s
+        under = ro / to  # micro-batches computed while one round runs
+
+        def window(n: float) -> float:  # n micro-batches with one round under them
+            return ro + max(0.0, n - under) * t
+
+        add("fixed", 2 * window(gas / 2), gas)
+        add("dpu", window(gas), gas)
+        n = max(m, math.ceil(under - 1e-9))
+        add("dynamic", 2 * window(n), 2 * n)
+        return out
+    tr, k = probe.round_s, probe.kappa
     add("fixed", max(tc + 2 * k * tr, 2 * tr), gas)
     add("dpu", max(tc + k * tr, tr), gas)
-    m = dynamic_min if dynamic_min is not None else max(1, gas // 2)
     n = max(m, math.ceil(max(0.0, (1 - k) * tr) / t - 1e-9)) if t > 0 else m
     phase = max(tr, n * t + k * tr)
     add("dynamic", 2 * phase, 2 * n)
@@ -124,15 +175,31 @@ class Advice:
     gradient_accumulation_steps: int
     predictions: Dict[str, Prediction]
     reason: str
+    larger_batch: Optional[dict] = None  # what a larger global batch would buy in tokens/s (not in time)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                "reason": self.reason, "predictions": {k: dataclasses.asdict(v) for k, v in self.predictions.items()}}
+                "reason": self.reason, "larger_batch": self.larger_batch,
+                "predictions": {k: dataclasses.asdict(v) for k, v in self.predictions.items()}}
 
 
-def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.05) -> Advice:
-    """Recommend a mode and gradient_accumulation_steps for this setup (see the module rule)."""
-    t, tr = probe.micro_batch_s, probe.round_s
+LARGER_BATCH_CAVEAT = ("a larger global batch makes less progress per token: in our measurements it did not reach a "
+                       "target loss sooner (BENCHMARKS.md, time to target); measure it with your learning rate")
+
+
+def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.05,
+           batch_fixed: bool = True) -> Advice:
+    """Recommend a mode and gradient_accumulation_steps for this setup (see the module rule).
+
+    ``batch_fixed`` (the default): the training recipe fixes the global batch, so only stock and
+    ACCO fixed at ``gas`` are recommended; what a larger batch (raised A, or dynamic
+    accumulation) would buy in tokens/s is reported in ``larger_batch``, not recommended, since
+    per-token progress drops with the batch. ``batch_fixed=False`` recommends those too."""
+    measured = probe.overlap_measured
+    t = probe.micro_batch_s
+    tr = probe.round_under_compute_s if measured else probe.round_s
+    under = tr / (probe.micro_batch_overlap_s if measured else t) if t > 0 else math.inf  # micro-batches a round spans
+    where = " beside compute" if measured else ""
     preds = predict(probe, gas)
     tc = gas * t
     stock, fixed, dyn = preds["stock"], preds["fixed"], preds["dynamic"]
@@ -142,30 +209,40 @@ def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.0
                       f"({tc:.3f}s): nothing worth hiding; stock ZeRO-1 saves ACCO's extra buffer"
                       + (" and, on shared cores, the CPU its overlapped rounds would steal" if probe.shared_cores
                          else ""))
-    if 2 * tr <= tc and fixed.step_s < stock.step_s:
+    if under <= gas / 2 and fixed.step_s < stock.step_s:
         return Advice("fixed", gas, preds,
-                      f"one round ({tr:.3f}s) fits under half a step's compute ({tc / 2:.3f}s at "
-                      f"gradient_accumulation_steps={gas}): ACCO fixed hides both rounds, predicted "
-                      f"{stock.step_s / fixed.step_s:.2f}x stock")
-    need = 2 * math.ceil(tr / t - 1e-9) if t > 0 else gas  # smallest even A with A*t/2 >= T_r
-    need = max(need + need % 2, 2)
+                      f"one round ({tr:.3f}s{where}) fits under half a step's compute ({gas // 2} micro-batches "
+                      f"at gradient_accumulation_steps={gas}): ACCO fixed hides both rounds, predicted "
+                      f"{stock.step_s / fixed.step_s:.2f}x stock at the same batch")
+    need = max(2, 2 * math.ceil(under - 1e-9)) if t > 0 else gas  # smallest even A with A/2 >= under
+    larger = None
     if need <= max_gas:
         alt = predict(probe, need)
         if alt["fixed"].step_s < alt["stock"].step_s:
             gain = alt["stock"].step_s / alt["fixed"].step_s
-            return Advice("fixed", need, alt,
-                          f"one round ({tr:.3f}s) exceeds half a step's compute at A={gas} ({tc / 2:.3f}s): ACCO "
-                          f"sends two rounds per step, so raise gradient_accumulation_steps to {need} (each half "
-                          f"then computes {need * t / 2:.3f}s >= one round); predicted {gain:.2f}x stock at that "
-                          "A (a larger global batch: re-tune the learning rate)")
-    if dyn.tokens_per_s > 1.05 * stock.tokens_per_s:
-        return Advice("dynamic", gas, preds,
-                      f"one round ({tr:.3f}s) needs {need} micro-batches per step to hide (over max_gas="
-                      f"{max_gas}); dynamic accumulation keeps computing while it waits: predicted "
-                      f"{dyn.tokens_per_s / stock.tokens_per_s:.2f}x stock's tokens/s, with "
-                      f"~{dyn.micro_batches_per_rank:.0f} micro-batches per rank per step (larger, varying batch)")
-    return Advice("stock", gas, preds, "no ACCO mode is predicted to beat stock ZeRO-1 here (CPU contention "
-                  "eats the overlap)")
+            larger = {"mode": "fixed", "gradient_accumulation_steps": need, "speedup_vs_stock": gain,
+                      "why": f"one round ({tr:.3f}s{where}) spans {under:.1f} micro-batches, over half a step's "
+                             f"compute at A={gas}: ACCO sends two rounds per step, so at A={need} each half "
+                             f"covers one; predicted {gain:.2f}x stock at that A"}
+    if larger is None and dyn.tokens_per_s > 1.05 * stock.tokens_per_s:
+        gain = dyn.tokens_per_s / stock.tokens_per_s
+        larger = {"mode": "dynamic", "gradient_accumulation_steps": gas, "speedup_vs_stock": gain,
+                  "why": f"one round ({tr:.3f}s{where}) needs A={need} to hide (over max_gas={max_gas}); dynamic "
+                         f"accumulation keeps computing while it waits: predicted {gain:.2f}x stock's tokens/s "
+                         f"with ~{dyn.micro_batches_per_rank:.0f} micro-batches per rank per step (a larger, "
+                         "varying batch)"}
+    if larger is not None and not batch_fixed:
+        mode, a = larger["mode"], larger["gradient_accumulation_steps"]
+        return Advice(mode, a, predict(probe, a), larger["why"] + f"; {LARGER_BATCH_CAVEAT}", larger)
+    reason = (f"one round ({tr:.3f}s{where}) spans {under:.1f} micro-batches, over half a step's compute at "
+              f"gradient_accumulation_steps={gas}: ACCO fixed would be {fixed.step_s / stock.step_s:.2f}x stock's "
+              "step time at this batch" if under > gas / 2 else
+              "no ACCO mode is predicted to beat stock ZeRO-1 here (the rounds' contention with compute eats "
+              "the overlap)")
+    if larger is not None:
+        reason += (f". At a larger batch: {larger['why']}; {LARGER_BATCH_CAVEAT} (advise with "
+                   "--batch-flexible to recommend it)")
+    return Advice("stock", gas, preds, reason, larger)
 
 
 def validate(points: Sequence[dict]) -> dict:
@@ -204,11 +281,13 @@ def _measured(variant: dict, mode: str) -> Optional[float]:
     return variant.get("step_s")
 
 
-def out_of_sample(summaries: Sequence[dict]) -> dict:
+def out_of_sample(summaries: Sequence[dict], *, contention: str = "auto") -> dict:
     """The advisor's error out of sample: every run's step times predicted from the probe of
     another run of the same setup (same ranks, network, model and compute; any
     gradient_accumulation_steps), at the predicted run's own gradient_accumulation_steps. Beside
-    it, the in-sample error (each run predicted from its own probe) over the same runs."""
+    it, the in-sample error (each run predicted from its own probe) over the same runs.
+    ``contention``: the model of :func:`predict` (``kappa`` on new probes compares the models on
+    the same runs; ``measured`` skips probes stored without the overlapped timings)."""
     fields = {f.name for f in dataclasses.fields(Probe)}
     rows, inside = [], []
     for target in summaries:
@@ -222,7 +301,9 @@ def out_of_sample(summaries: Sequence[dict]) -> dict:
                 if setup_key(source) != setup_key(target):
                     continue
                 probe = Probe(**{k: x for k, x in source["probe"].items() if k in fields})
-                pred = predict(probe, target["gas"])[name]
+                if contention == "measured" and not probe.overlap_measured:
+                    continue
+                pred = predict(probe, target["gas"], contention=contention)[name]
                 value = (1.0 / pred.tokens_per_s) if name == "dynamic" else pred.step_s
                 row = {"probe_run": source["label"], "run": target["label"], "mode": name, "gas": target["gas"],
                        "measured": meas, "predicted": value, "error": (value - meas) / meas}
@@ -231,11 +312,12 @@ def out_of_sample(summaries: Sequence[dict]) -> dict:
     def stats(rs):
         by_mode: Dict[str, List[float]] = {}
         for r in rs:
-            by_mode.setdefault(r["mode"], []).append(abs(r["error"]))
+            by_mode.setdefault(r["mode"], []).append(r["error"])
         errs = [abs(r["error"]) for r in rs]
         return {"n": len(rs), "mean_abs_error": sum(errs) / len(errs) if errs else None,
                 "max_abs_error": max(errs) if errs else None,
-                "mean_abs_error_by_mode": {m: sum(e) / len(e) for m, e in sorted(by_mode.items())}}
+                "mean_abs_error_by_mode": {m: sum(map(abs, e)) / len(e) for m, e in sorted(by_mode.items())},
+                "mean_error_by_mode": {m: sum(e) / len(e) for m, e in sorted(by_mode.items())}}
     targets = {r["run"] for r in rows}
     return {"out_of_sample": stats(rows), "in_sample": stats([r for r in inside if r["run"] in targets]),
             "rows": rows}
@@ -248,7 +330,9 @@ def explain(advice: Advice, probe: Probe) -> str:
              f"(all-reduce {probe.all_reduce_s:.3f}s, all-gather {probe.all_gather_s:.3f}s, shard step "
              f"{probe.opt_step_s:.3f}s, latency {probe.latency_s * 1e6:.0f} us"
              + (f", ~{bw:.2f} Gbit/s achieved" if bw else "") + f"), world {probe.world}"
-             + (f", comm CPU share {probe.comm_cpu_fraction:.2f} on shared cores" if probe.shared_cores else ""),
+             + (f"; while both run: {probe.micro_batch_overlap_s * 1e3:.1f} ms per micro-batch, "
+                f"{probe.round_under_compute_s:.3f}s per round" if probe.overlap_measured else
+                f", comm CPU share {probe.comm_cpu_fraction:.2f} on shared cores" if probe.shared_cores else ""),
              f"{'mode':<8} {'step s':>8} {'mb/rank':>8} {'tokens/s':>10} {'busy':>6}"]
     for p in advice.predictions.values():
         lines.append(f"{p.mode:<8} {p.step_s:>8.3f} {p.micro_batches_per_rank:>8.1f} {p.tokens_per_s:>10.0f} "

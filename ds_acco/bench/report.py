@@ -62,8 +62,11 @@ def markdown_table(summary: dict) -> str:
             f"{_mib(v['peak_mem_delta_bytes'])} | {_fmt(v['final_heldout'], '.4f')} | "
             f"{_fmt(v.get('heldout_gap'), '+.2%')} | {_fmt(v['predicted_step_s'])} |")
     adv = summary["advice"]
+    pr = summary["probe"]
+    beside = (f" ({pr['round_overlap_s']:.3f}s and {pr['micro_batch_overlap_s'] * 1e3:.0f} ms while both run)"
+              if pr.get("round_overlap_s") else "")
     lines += ["", f"Probe: one round {summary['probe_round_s']:.3f}s isolated, "
-              f"{_fmt(summary['probe']['micro_batch_s'] * 1e3, '.0f')} ms per micro-batch; advisor: "
+              f"{_fmt(pr['micro_batch_s'] * 1e3, '.0f')} ms per micro-batch{beside}; advisor: "
               f"**{adv['mode']}** at gradient_accumulation_steps {adv['gradient_accumulation_steps']} — {adv['reason']}"]
     val = summary["validation"]
     if val["mean_abs_error"] is not None:

@@ -5,7 +5,8 @@
 Reads the run's spec (written by the runner), then on every rank:
   1. **probe** (no training): compute-only time per micro-batch for this model and micro-batch,
      and the collectives' time for this world size (all-reduce of the model, all-gather of the
-     model, a tiny all-reduce for latency, one AdamW step on a shard);
+     model, a tiny all-reduce for latency, one AdamW step on a shard), then both at once: rounds
+     on a side thread while micro-batches run, each timed (what contention costs on this host);
   2. **variants** in the spec's order (e.g. stock, fixed, dynamic, dpu, repeated if asked),
      each from the same seed, initial weights and data order: per micro-batch the loss and the
      forward+backward time, per committed step its wall time, held-out loss on committed
@@ -24,6 +25,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 import warnings
 from typing import Dict, List, Optional
@@ -336,11 +338,65 @@ def probe(spec: dict, stream, rank: int, world: int) -> dict:
     opt = torch.optim.AdamW([p], lr=1e-3)
     opt.step()
     opt_s = _timed(opt.step, 3)
+
+    def one_round():  # what an ACCO round does on gloo: in-place all-reduce, shard step, all-gather
+        dist.all_reduce(flat)
+        opt.step()
+        dist.all_gather_into_tensor(flat, shard)
+    alone = torch.tensor([statistics.median(mb), statistics.median(ar) + statistics.median(ag)])
+    dist.all_reduce(alone, op=dist.ReduceOp.MAX)  # every rank must run the same number of rounds
+    rounds = min(20, max(reps, math.ceil(3 * alone[0].item() / max(1e-6, alone[1].item()))))
+    mb_ov, round_ov = overlapped(micro, one_round, rounds)
     del flat, shard, half, p, opt, model
     return {"n_params": n_params, "padded_params": padded, "micro_batch_s": statistics.median(mb),
             "micro_batch_samples_s": mb, "all_reduce_s": statistics.median(ar), "all_reduce_half_s":
             statistics.median(ar_half), "all_gather_s": statistics.median(ag), "latency_s": statistics.median(lat),
-            "opt_step_s": statistics.median(opt_s), "comm_bytes": padded * 4, "comm_cpu_fraction": cpu_frac}
+            "opt_step_s": statistics.median(opt_s), "comm_bytes": padded * 4, "comm_cpu_fraction": cpu_frac,
+            "micro_batch_overlap_s": mb_ov, "round_overlap_s": round_ov, "overlap_rounds": rounds}
+
+
+def overlapped(micro, one_round, rounds: int, barrier=None) -> tuple:
+    """Compute and rounds at once, as ACCO runs them: ``rounds`` rounds back to back on a side
+    thread while this thread computes micro-batches until they end. Returns (seconds per
+    micro-batch while a round ran, median seconds per round while compute ran). The rate counts
+    each micro-batch by the fraction of it inside the rounds' window, so a window shorter than
+    a micro-batch still measures (the first and last rounds, ramping up and down, are timed too)."""
+    window = [0.0, 0.0]
+    per_round: List[float] = []
+    failure: List[BaseException] = []
+
+    def comm():
+        try:
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                one_round()
+                per_round.append(time.perf_counter() - t0)
+        except BaseException as e:  # re-raised on the main thread
+            failure.append(e)
+        window[1] = time.perf_counter()
+
+    (barrier or dist.barrier)()
+    side = threading.Thread(target=comm, name="probe-rounds", daemon=True)
+    window[0] = time.perf_counter()
+    side.start()
+    spans = []
+    while side.is_alive():
+        a = time.perf_counter()
+        micro()
+        spans.append((a, time.perf_counter()))
+    side.join()
+    if failure:
+        raise failure[0]
+    return seconds_per_item(spans, *window), statistics.median(per_round)
+
+
+def seconds_per_item(spans, w0: float, w1: float) -> float:
+    """Seconds per item inside the window [w0, w1], each (start, end) span counted by the
+    fraction of it that lies inside (work assumed even within an item)."""
+    done = sum((min(b, w1) - max(a, w0)) / (b - a) for a, b in spans if b > a and min(b, w1) > max(a, w0))
+    if done <= 0:
+        raise ValueError(f"no item overlaps the window [{w0}, {w1}]")
+    return (w1 - w0) / done
 
 
 def _slow_down(factor: float, elapsed: float) -> None:

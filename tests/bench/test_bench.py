@@ -64,17 +64,98 @@ def test_advise_fixed_when_a_round_fits_under_half_the_compute():
     assert "half a step's compute" in adv.reason
 
 
-def test_advise_raises_gas_until_a_round_fits():
+def test_advise_keeps_the_batch_and_reports_a_raised_gas():
     adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=4)  # round 0.5 s = 5 micro-batches
-    assert adv.mode == "fixed"
-    assert adv.gradient_accumulation_steps == 10  # smallest even A with A*t/2 >= 0.5
-    assert adv.predictions["fixed"].step_s < adv.predictions["stock"].step_s
+    assert (adv.mode, adv.gradient_accumulation_steps) == ("stock", 4)  # the recipe's batch is kept
+    assert adv.larger_batch["mode"] == "fixed"
+    assert adv.larger_batch["gradient_accumulation_steps"] == 10  # smallest even A with A*t/2 >= 0.5
+    assert "progress per token" in adv.reason and "--batch-flexible" in adv.reason
+    flex = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=4, batch_fixed=False)
+    assert (flex.mode, flex.gradient_accumulation_steps) == ("fixed", 10)
+    assert flex.predictions["fixed"].step_s < flex.predictions["stock"].step_s
 
 
-def test_advise_dynamic_when_the_needed_gas_is_too_large():
-    adv = advisor.advise(probe(t=0.1, ar=4.0, ag=3.0), gas=16, max_gas=32)  # needs A = 140
+def test_advise_dynamic_only_where_the_batch_may_grow():
+    p = probe(t=0.1, ar=4.0, ag=3.0)  # needs A = 140
+    assert advisor.advise(p, gas=16, max_gas=32).mode == "stock"
+    assert advisor.advise(p, gas=16, max_gas=32).larger_batch["mode"] == "dynamic"
+    adv = advisor.advise(p, gas=16, max_gas=32, batch_fixed=False)
     assert adv.mode == "dynamic"
     assert "tokens/s" in adv.reason
+
+
+def test_measured_contention_model_by_hand():
+    # isolated: 0.1 s per micro-batch, round 0.5 s; beside each other: 0.2 s and 0.8 s
+    p = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.2, round_overlap_s=0.8)
+    pred = advisor.predict(p, gas=16)
+    # 4 micro-batches run under one round (0.8 / 0.2); a half of 8 takes 0.8 + 4 x 0.1
+    assert pred["fixed"].step_s == pytest.approx(2 * 1.2)
+    assert pred["dpu"].step_s == pytest.approx(0.8 + 12 * 0.1)
+    assert pred["stock"].step_s == pytest.approx(1.6 + 0.5)  # stock does not overlap
+    assert pred["dynamic"].micro_batches_per_rank == 16 and pred["dynamic"].step_s == pytest.approx(2.4)
+    small = advisor.predict(p, gas=4)  # a half of 2 micro-batches is done before its round: the round sets it
+    assert small["fixed"].step_s == pytest.approx(1.6) and small["dpu"].step_s == pytest.approx(0.8)
+    assert advisor.predict(p, gas=6)["dpu"].step_s == pytest.approx(0.8 + 2 * 0.1)
+    assert advisor.predict(p, gas=16, contention="kappa")["fixed"].step_s == pytest.approx(1.6)  # the old model
+    with pytest.raises(ValueError, match="contention='measured' needs"):
+        advisor.predict(probe(), gas=4, contention="measured")
+    # without contention (an accelerator: t' = t, T_r' = T_r) it is the ideal model
+    free = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.1, round_overlap_s=0.5)
+    for gas in (2, 4, 8, 10, 16, 32):
+        pred = advisor.predict(free, gas)
+        assert pred["fixed"].step_s == pytest.approx(max(gas * 0.1, 2 * 0.5))
+        assert pred["dpu"].step_s == pytest.approx(max(gas * 0.1, 0.5))
+
+
+def test_advise_uses_the_round_measured_beside_compute():
+    # isolated, one round (0.5 s) fits under half of A=12 (0.6 s); beside compute it spans 1.0 / 0.15
+    # = 6.7 micro-batches, more than the 6 of a half: fixed would lose, so stock is advised
+    calm = probe(t=0.1, ar=0.3, ag=0.2)
+    busy = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.15, round_overlap_s=1.0)
+    assert advisor.advise(calm, gas=12).mode == "fixed"
+    adv = advisor.advise(busy, gas=12)
+    assert adv.mode == "stock" and "beside compute" in adv.reason
+    assert "ACCO fixed would be 1.18x stock's step time" in adv.reason  # 2 x 1.0 s against 1.2 + 0.5 s
+    # at A=14 a half covers a round (7 > 6.7) but the rounds' contention still costs more than they hide
+    assert adv.larger_batch is None
+    assert advisor.advise(busy, gas=14).mode == "stock"
+    assert "while both run" in advisor.explain(adv, busy)
+
+
+def test_probe_runs_rounds_beside_compute_and_measures_both():
+    import threading
+    from ds_acco.bench import worker
+    events = []
+
+    def micro():
+        events.append(("micro", threading.current_thread().name))
+        time.sleep(0.001)
+
+    def one_round():
+        events.append(("round", threading.current_thread().name))
+        time.sleep(0.02)
+
+    mb, rnd = worker.overlapped(micro, one_round, 3, barrier=lambda: None)
+    rounds = [i for i, e in enumerate(events) if e[0] == "round"]
+    assert len(rounds) == 3 and {events[i][1] for i in rounds} == {"probe-rounds"}  # on a side thread
+    assert any(e == ("micro", "MainThread") for e in events[rounds[0]:rounds[-1]])  # compute ran meanwhile
+    assert mb > 0 and rnd > 0
+
+    def broken():
+        raise RuntimeError("gloo says no")
+    with pytest.raises(RuntimeError, match="gloo says no"):  # a failed round fails the probe
+        worker.overlapped(micro, broken, 2, barrier=lambda: None)
+
+
+def test_seconds_per_item_counts_partial_items():
+    from ds_acco.bench.worker import seconds_per_item
+    assert seconds_per_item([(0, 1), (1, 2), (2, 3)], 0, 3) == pytest.approx(1.0)
+    # a window inside one item of 4 s: a quarter of it is done in 1 s
+    assert seconds_per_item([(0, 4)], 1, 2) == pytest.approx(4.0)
+    # halves of the first and last items count half
+    assert seconds_per_item([(0, 2), (2, 3), (3, 5)], 1, 4) == pytest.approx(3 / 2)
+    with pytest.raises(ValueError, match="no item"):
+        seconds_per_item([(0, 1)], 2, 3)
 
 
 def test_validate_reports_relative_errors():
@@ -97,6 +178,11 @@ def test_probe_from_measured_takes_the_slowest_rank():
     assert p.micro_batch_s == 0.2 and p.world == 2 and p.shared_cores
     assert p.bandwidth_gbit == pytest.approx(4_000_000 * 8 / 0.4 / 1e9)
     assert "two rounds" in advisor.explain(advisor.advise(p, 16), p)
+    assert not p.overlap_measured  # probes from before the overlapped measurement: the kappa model
+    ranks[0].update(micro_batch_overlap_s=0.3, round_overlap_s=0.9)
+    ranks[1].update(micro_batch_overlap_s=0.25, round_overlap_s=1.0)
+    p = advisor.Probe.from_measured(ranks, tokens_per_micro_batch=128, cores=2)
+    assert (p.micro_batch_overlap_s, p.round_overlap_s) == (0.3, 1.0) and p.overlap_measured  # the slowest
 
 
 # -- runner bookkeeping -----------------------------------------------------------------------------
@@ -406,6 +492,7 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
     v = summary["variants"]
     assert summary["network"] == "emulated" and set(v) == {"stock", "fixed", "fsdp_stock", "fsdp_fixed"}
     assert all(x["step_s"] > 0 for x in v.values())
+    assert summary["probe"]["round_overlap_s"] > 0 and summary["probe"]["micro_batch_overlap_s"] > 0
     # same model, data, seed and optimizer: each FSDP2 run matches its DeepSpeed twin's loss
     for a, b in (("stock", "fsdp_stock"), ("fixed", "fsdp_fixed")):
         assert v[b]["final_heldout"] == pytest.approx(v[a]["final_heldout"], rel=1e-4), (a, b)
