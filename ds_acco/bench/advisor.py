@@ -16,7 +16,7 @@ micro-batch of the slowest rank):
   while they overlap. On a CPU-only host the rounds' copies, reductions and shard step take
   cores from compute and compute slows the rounds (on 2 ranks × 2 cores both by up to ~2×); on
   an accelerator ``t' ≈ t`` and ``T_r' ≈ T_r``. A window of length ``T_r'`` overlapped with
-  compute then holds ``T_r'/t'`` micro-batches, and the rest of a window run at full speed:
+  compute then holds ``T_r'/t'`` micro-batches, and the rest of a window runs at full speed:
   ``W(n) = T_r' + max(0, n − T_r'/t')·t`` is the time of ``n`` micro-batches with one round
   under them (``T_r'`` alone if the round outlasts them).
 * stock:   ``T_c + T_r``                       (nothing overlaps)
@@ -33,8 +33,10 @@ the ranks have no spare core (``shared_cores``); fixed ``max(T_c + 2κ·T_r, 2·
 and predicted fixed 11–19% too fast on average (BENCHMARKS.md, advisor out of sample).
 
 The rule: ACCO sends two rounds per optimizer step, so fixed mode beats stock only when one
-round fits under half a step's compute (``T_r ≤ A·t/2``); otherwise raise ``A`` (a larger
-global batch) or let dynamic accumulation fill the wait with more micro-batches.
+round fits under half a step's compute (``T_r'/t' ≤ A/2`` micro-batches beside compute);
+otherwise a raised ``A`` or dynamic accumulation would hide it, with a larger global batch
+that makes less progress per token, so :func:`advise` reports those and recommends them only
+when the batch may grow (``batch_fixed=False``).
 """
 from __future__ import annotations
 
@@ -340,5 +342,5 @@ def explain(advice: Advice, probe: Probe) -> str:
     lines.append(f"advice: mode {advice.mode!r}, gradient_accumulation_steps {advice.gradient_accumulation_steps}"
                  f" — {advice.reason}")
     lines.append("rule: ACCO sends two rounds per optimizer step, so fixed mode wins only where one round fits "
-                 "under half a step's compute (T_round <= A*t/2).")
+                 "under half a step's compute (T_round <= A*t/2, both as they run beside each other).")
     return "\n".join(lines)
