@@ -17,8 +17,9 @@ micro-batch of the slowest rank):
   cores from compute and compute slows the rounds (on 2 ranks × 2 cores both by up to ~2×); on
   an accelerator ``t' ≈ t`` and ``T_r' ≈ T_r``. A window of length ``T_r'`` overlapped with
   compute then holds ``T_r'/t'`` micro-batches, and the rest of a window runs at full speed:
-  ``W(n) = T_r' + max(0, n − T_r'/t')·t`` is the time of ``n`` micro-batches with one round
-  under them (``T_r'`` alone if the round outlasts them).
+  ``W(n) = T_r' + (n − T_r'/t')·t`` is the time of ``n`` micro-batches with one round under
+  them. If the round outlasts them (``n < T_r'/t'``), compute waits after ``n·t'`` and the
+  rest of the round runs alone: ``W(n) = n·t' + (1 − n·t'/T_r')·T_r``.
 * stock:   ``T_c + T_r``                       (nothing overlaps)
 * fixed:   ``2·W(A/2)``                        (two rounds per step, one under each half)
 * dpu:     ``W(A)``                            (one round per step, one step stale)
@@ -32,8 +33,9 @@ the ranks have no spare core (``shared_cores``); fixed ``max(T_c + 2κ·T_r, 2·
 ``n = max(m, ⌈(1−κ)·T_r / t⌉)`` micro-batches. It leaves out that compute slows the rounds,
 and predicted fixed 11–19% too fast on average (BENCHMARKS.md, advisor out of sample).
 
-The rule: ACCO sends two rounds per optimizer step, so fixed mode beats stock only when one
-round fits under half a step's compute (``T_r'/t' ≤ A/2`` micro-batches beside compute);
+The rule: ACCO sends two rounds per optimizer step, so fixed mode hides them fully only when one
+round fits under half a step's compute (``T_r'/t' ≤ A/2`` micro-batches beside compute),
+and even then only if the contention costs less than the round it hides;
 otherwise a raised ``A`` or dynamic accumulation would hide it, with a larger global batch
 that makes less progress per token, so :func:`advise` reports those and recommends them only
 when the batch may grow (``batch_fixed=False``).
@@ -155,7 +157,9 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
         under = ro / to  # micro-batches computed while one round runs
 
         def window(n: float) -> float:  # n micro-batches with one round under them
-            return ro + max(0.0, n - under) * t
+            if n >= under:
+                return ro + (n - under) * t
+            return n * to + (1 - n / under) * probe.round_s  # compute waits: the rest of the round runs alone
 
         add("fixed", 2 * window(gas / 2), gas)
         add("dpu", window(gas), gas)
@@ -189,14 +193,16 @@ LARGER_BATCH_CAVEAT = ("a larger global batch makes less progress per token: in 
                        "target loss sooner (BENCHMARKS.md, time to target); measure it with your learning rate")
 
 
-def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.05,
+def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.05, margin: float = 0.03,
            batch_fixed: bool = True) -> Advice:
     """Recommend a mode and gradient_accumulation_steps for this setup (see the module rule).
 
     ``batch_fixed`` (the default): the training recipe fixes the global batch, so only stock and
     ACCO fixed at ``gas`` are recommended; what a larger batch (raised A, or dynamic
     accumulation) would buy in tokens/s is reported in ``larger_batch``, not recommended, since
-    per-token progress drops with the batch. ``batch_fixed=False`` recommends those too."""
+    per-token progress drops with the batch. ``batch_fixed=False`` recommends those too. An ACCO
+    mode must be predicted ``margin`` faster than stock (ACCO costs a buffer; the model errs by
+    ~10%)."""
     measured = probe.overlap_measured
     t = probe.micro_batch_s
     tr = probe.round_under_compute_s if measured else probe.round_s
@@ -211,36 +217,38 @@ def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.0
                       f"({tc:.3f}s): nothing worth hiding; stock ZeRO-1 saves ACCO's extra buffer"
                       + (" and, on shared cores, the CPU its overlapped rounds would steal" if probe.shared_cores
                          else ""))
-    if under <= gas / 2 and fixed.step_s < stock.step_s:
+    fits = under <= gas / 2
+    span = (f"one round ({tr:.3f}s{where}) spans {under:.1f} micro-batches, "
+            f"{'within' if fits else 'over'} the {gas / 2:g} of half a step at gradient_accumulation_steps={gas}")
+    if fixed.step_s < (1 - margin) * stock.step_s:
         return Advice("fixed", gas, preds,
-                      f"one round ({tr:.3f}s{where}) fits under half a step's compute ({gas // 2} micro-batches "
-                      f"at gradient_accumulation_steps={gas}): ACCO fixed hides both rounds, predicted "
+                      f"{span}: ACCO fixed {'hides both rounds' if fits else 'hides part of each round'}, predicted "
                       f"{stock.step_s / fixed.step_s:.2f}x stock at the same batch")
     need = max(2, 2 * math.ceil(under - 1e-9)) if t > 0 else gas  # smallest even A with A/2 >= under
     larger = None
-    if need <= max_gas:
+    if gas < need <= max_gas:  # once a round fits, a larger A does not change fixed's lead (the contention stays)
         alt = predict(probe, need)
-        if alt["fixed"].step_s < alt["stock"].step_s:
+        if alt["fixed"].step_s < (1 - margin) * alt["stock"].step_s:
             gain = alt["stock"].step_s / alt["fixed"].step_s
             larger = {"mode": "fixed", "gradient_accumulation_steps": need, "speedup_vs_stock": gain,
-                      "why": f"one round ({tr:.3f}s{where}) spans {under:.1f} micro-batches, over half a step's "
-                             f"compute at A={gas}: ACCO sends two rounds per step, so at A={need} each half "
-                             f"covers one; predicted {gain:.2f}x stock at that A"}
-    if larger is None and dyn.tokens_per_s > 1.05 * stock.tokens_per_s:
+                      "why": f"ACCO sends two rounds per step, so at A={need} each half covers one; predicted "
+                             f"{gain:.2f}x stock at that A"}
+    if larger is None and dyn.tokens_per_s > (1 + margin) * stock.tokens_per_s:
         gain = dyn.tokens_per_s / stock.tokens_per_s
+        why = (f"fixed would need A={need} (over max_gas={max_gas})" if need > max_gas else
+               "fixed loses to the rounds' contention with compute at any A")
         larger = {"mode": "dynamic", "gradient_accumulation_steps": gas, "speedup_vs_stock": gain,
-                  "why": f"one round ({tr:.3f}s{where}) needs A={need} to hide (over max_gas={max_gas}); dynamic "
-                         f"accumulation keeps computing while it waits: predicted {gain:.2f}x stock's tokens/s "
-                         f"with ~{dyn.micro_batches_per_rank:.0f} micro-batches per rank per step (a larger, "
-                         "varying batch)"}
+                  "why": f"{why}; dynamic accumulation keeps computing while it waits: predicted {gain:.2f}x "
+                         f"stock's tokens/s with ~{dyn.micro_batches_per_rank:.0f} micro-batches per rank per step "
+                         "(a larger, varying batch)"}
     if larger is not None and not batch_fixed:
         mode, a = larger["mode"], larger["gradient_accumulation_steps"]
-        return Advice(mode, a, predict(probe, a), larger["why"] + f"; {LARGER_BATCH_CAVEAT}", larger)
-    reason = (f"one round ({tr:.3f}s{where}) spans {under:.1f} micro-batches, over half a step's compute at "
-              f"gradient_accumulation_steps={gas}: ACCO fixed would be {fixed.step_s / stock.step_s:.2f}x stock's "
-              "step time at this batch" if under > gas / 2 else
-              "no ACCO mode is predicted to beat stock ZeRO-1 here (the rounds' contention with compute eats "
-              "the overlap)")
+        return Advice(mode, a, predict(probe, a), f"{span}; {larger['why']}; {LARGER_BATCH_CAVEAT}", larger)
+    reason = (f"{span}: ACCO fixed is predicted {fixed.step_s / stock.step_s:.2f}x stock's step time at this batch"
+              + ("" if fits else " (two rounds per step outlast the compute they overlap)"))
+    if preds["dpu"].step_s < (1 - margin) * stock.step_s:
+        reason += (f"; DPU would be {stock.step_s / preds['dpu'].step_s:.2f}x faster per step, but it applies "
+                   "one-step-stale gradients and its held-out loss lagged stock's at equal tokens (BENCHMARKS.md)")
     if larger is not None:
         reason += (f". At a larger batch: {larger['why']}; {LARGER_BATCH_CAVEAT} (advise with "
                    "--batch-flexible to recommend it)")
@@ -341,6 +349,7 @@ def explain(advice: Advice, probe: Probe) -> str:
                      f"{p.compute_busy:>6.0%}")
     lines.append(f"advice: mode {advice.mode!r}, gradient_accumulation_steps {advice.gradient_accumulation_steps}"
                  f" — {advice.reason}")
-    lines.append("rule: ACCO sends two rounds per optimizer step, so fixed mode wins only where one round fits "
-                 "under half a step's compute (T_round <= A*t/2, both as they run beside each other).")
+    lines.append("rule: ACCO sends two rounds per optimizer step, so fixed mode hides them only where one round "
+                 "fits under half a step's compute (T_round <= A*t/2, both as they run beside each other), and gains only "
+                 "where the rounds' contention with compute costs less than the rounds it hides.")
     return "\n".join(lines)

@@ -380,11 +380,13 @@ def overlapped(micro, one_round, rounds: int, barrier=None) -> tuple:
     window[0] = time.perf_counter()
     side.start()
     spans = []
-    while side.is_alive():
-        a = time.perf_counter()
-        micro()
-        spans.append((a, time.perf_counter()))
-    side.join()
+    try:
+        while side.is_alive():
+            a = time.perf_counter()
+            micro()
+            spans.append((a, time.perf_counter()))
+    finally:
+        side.join()  # bounded: a fixed number of rounds; leaves no collective in flight if compute failed
     if failure:
         raise failure[0]
     return seconds_per_item(spans, *window), statistics.median(per_round)

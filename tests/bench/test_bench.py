@@ -61,16 +61,31 @@ def test_advise_stock_when_communication_is_negligible():
 def test_advise_fixed_when_a_round_fits_under_half_the_compute():
     adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=16)
     assert (adv.mode, adv.gradient_accumulation_steps) == ("fixed", 16)
-    assert "half a step's compute" in adv.reason
+    assert "within the 8 of half a step" in adv.reason and "hides both rounds" in adv.reason
+
+
+def test_advise_fixed_where_it_wins_without_fitting():
+    # one round (0.5 s) spans 5 micro-batches, over the 4 of half a step, yet two rounds (1.0 s)
+    # are shorter than stock's 0.8 + 0.5 s: fixed wins at this batch, hiding part of each round
+    adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=8)
+    assert (adv.mode, adv.gradient_accumulation_steps) == ("fixed", 8)
+    assert "hides part of each round" in adv.reason and "1.30x stock" in adv.reason
+
+
+def test_advise_names_dpu_without_recommending_it():
+    # beside compute a round spans 6 micro-batches: fixed (2 x 0.6 s + ...) loses at A=4, DPU does not
+    p = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.1, round_overlap_s=0.6)
+    adv = advisor.advise(p, gas=4)
+    assert adv.mode == "stock" and "DPU would be" in adv.reason and "stale" in adv.reason
 
 
 def test_advise_keeps_the_batch_and_reports_a_raised_gas():
-    adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=4)  # round 0.5 s = 5 micro-batches
-    assert (adv.mode, adv.gradient_accumulation_steps) == ("stock", 4)  # the recipe's batch is kept
+    adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=2)  # round 0.5 s = 5 micro-batches
+    assert (adv.mode, adv.gradient_accumulation_steps) == ("stock", 2)  # the recipe's batch is kept
     assert adv.larger_batch["mode"] == "fixed"
     assert adv.larger_batch["gradient_accumulation_steps"] == 10  # smallest even A with A*t/2 >= 0.5
     assert "progress per token" in adv.reason and "--batch-flexible" in adv.reason
-    flex = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=4, batch_fixed=False)
+    flex = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=2, batch_fixed=False)
     assert (flex.mode, flex.gradient_accumulation_steps) == ("fixed", 10)
     assert flex.predictions["fixed"].step_s < flex.predictions["stock"].step_s
 
@@ -93,8 +108,14 @@ def test_measured_contention_model_by_hand():
     assert pred["dpu"].step_s == pytest.approx(0.8 + 12 * 0.1)
     assert pred["stock"].step_s == pytest.approx(1.6 + 0.5)  # stock does not overlap
     assert pred["dynamic"].micro_batches_per_rank == 16 and pred["dynamic"].step_s == pytest.approx(2.4)
-    small = advisor.predict(p, gas=4)  # a half of 2 micro-batches is done before its round: the round sets it
-    assert small["fixed"].step_s == pytest.approx(1.6) and small["dpu"].step_s == pytest.approx(0.8)
+    # dynamic with a minimum of 1: each phase holds the 4 micro-batches one round spans
+    dyn = advisor.predict(p, gas=16, dynamic_min=1)["dynamic"]
+    assert dyn.micro_batches_per_rank == 8 and dyn.step_s == pytest.approx(2 * 0.8)
+    # a half of 2 micro-batches ends at 0.4 s, half-way through its round; the other half of the
+    # round then runs alone (0.25 s): the compute it no longer competes with does not slow it
+    small = advisor.predict(p, gas=4)
+    assert small["fixed"].step_s == pytest.approx(2 * (0.4 + 0.5 * 0.5))
+    assert small["dpu"].step_s == pytest.approx(0.8)  # 4 micro-batches: exactly one round's span
     assert advisor.predict(p, gas=6)["dpu"].step_s == pytest.approx(0.8 + 2 * 0.1)
     assert advisor.predict(p, gas=16, contention="kappa")["fixed"].step_s == pytest.approx(1.6)  # the old model
     with pytest.raises(ValueError, match="contention='measured' needs"):
@@ -115,7 +136,9 @@ def test_advise_uses_the_round_measured_beside_compute():
     assert advisor.advise(calm, gas=12).mode == "fixed"
     adv = advisor.advise(busy, gas=12)
     assert adv.mode == "stock" and "beside compute" in adv.reason
-    assert "ACCO fixed would be 1.18x stock's step time" in adv.reason  # 2 x 1.0 s against 1.2 + 0.5 s
+    # a half of 6 ends at 0.9 s, 90% through its round; the last 10% runs alone (0.05 s): 2 x 0.95 s
+    # against 1.2 + 0.5 s
+    assert "ACCO fixed is predicted 1.12x stock's step time" in adv.reason
     # at A=14 a half covers a round (7 > 6.7) but the rounds' contention still costs more than they hide
     assert adv.larger_batch is None
     assert advisor.advise(busy, gas=14).mode == "stock"
@@ -139,7 +162,15 @@ def test_probe_runs_rounds_beside_compute_and_measures_both():
     rounds = [i for i, e in enumerate(events) if e[0] == "round"]
     assert len(rounds) == 3 and {events[i][1] for i in rounds} == {"probe-rounds"}  # on a side thread
     assert any(e == ("micro", "MainThread") for e in events[rounds[0]:rounds[-1]])  # compute ran meanwhile
-    assert mb > 0 and rnd > 0
+    assert rnd >= 0.02 and 0.001 <= mb < rnd  # (seconds per micro-batch, seconds per round): not swapped
+
+    def failing_micro():
+        raise MemoryError("out of memory")
+    events.clear()
+    with pytest.raises(MemoryError):
+        worker.overlapped(failing_micro, one_round, 3, barrier=lambda: None)
+    assert [e[0] for e in events] == ["round"] * 3  # the side thread was joined: no collective left running
+    assert not any(t.name == "probe-rounds" for t in threading.enumerate())
 
     def broken():
         raise RuntimeError("gloo says no")
