@@ -143,6 +143,12 @@ def test_advise_uses_the_round_measured_beside_compute():
     # at A=14 a half covers a round (7 > 6.7) but the rounds' contention still costs more than they hide
     assert adv.larger_batch is None
     assert advisor.advise(busy, gas=14).mode == "stock"
+    # isolated the round spans 5 micro-batches (fits in 6); beside compute 0.78 / 0.12 = 6.5 (does not):
+    # fixed is predicted faster, but only partly hidden, so it is not recommended
+    tight = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.12, round_overlap_s=0.78)
+    adv = advisor.advise(tight, gas=12)
+    assert adv.predictions["fixed"].step_s < 0.97 * adv.predictions["stock"].step_s
+    assert adv.mode == "stock" and "spans 6.5 micro-batches, over the 6" in adv.reason
     assert "while both run" in advisor.explain(adv, busy)
 
 
