@@ -104,6 +104,13 @@ class Probe:
         return self.round_overlap_s + 3 * self.latency_s
 
     @property
+    def round_span(self) -> float:
+        """Micro-batches one round spans: beside compute (``T_r'/t'``) where measured, else alone."""
+        if self.overlap_measured:
+            return self.round_under_compute_s / self.micro_batch_overlap_s
+        return self.round_s / self.micro_batch_s if self.micro_batch_s > 0 else math.inf
+
+    @property
     def kappa(self) -> float:
         return self.comm_cpu_fraction if self.shared_cores else 0.0
 
@@ -154,8 +161,7 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
 
     add("stock", tc + probe.stock_comm_s, gas)
     if contention == "measured":
-        ro, to = probe.round_under_compute_s, probe.micro_batch_overlap_s
-        under = ro / to  # micro-batches computed while one round runs
+        ro, to, under = probe.round_under_compute_s, probe.micro_batch_overlap_s, probe.round_span
 
         def window(n: float) -> float:  # n micro-batches with one round under them
             if n >= under:
@@ -208,7 +214,7 @@ def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.0
     measured = probe.overlap_measured
     t = probe.micro_batch_s
     tr = probe.round_under_compute_s if measured else probe.round_s
-    under = tr / (probe.micro_batch_overlap_s if measured else t) if t > 0 else math.inf  # micro-batches a round spans
+    under = probe.round_span
     where = " beside compute" if measured else ""
     preds = predict(probe, gas)
     tc = gas * t
