@@ -360,7 +360,9 @@ def overlapped(micro, one_round, rounds: int, barrier=None) -> tuple:
     thread while this thread computes micro-batches until they end. Returns (seconds per
     micro-batch while a round ran, median seconds per round while compute ran). The rate counts
     each micro-batch by the fraction of it inside the rounds' window, so a window shorter than
-    a micro-batch still measures (the first and last rounds, ramping up and down, are timed too)."""
+    a micro-batch still measures (assuming even work through a micro-batch; the caller sizes the
+    window to about 3 micro-batches, within 2-20 rounds). A failed round is re-raised here, and
+    the launcher then stops every rank."""
     window = [0.0, 0.0]
     per_round: List[float] = []
     failure: List[BaseException] = []
