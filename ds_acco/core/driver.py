@@ -16,6 +16,7 @@ buffer groups and its calls into this driver's; everything else is here, once:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import signal
@@ -86,7 +87,11 @@ class AccoDriver:
         gradient_accumulation_steps, clip_grad: the framework's settings.
         device: where G and B live (the lane runs its rounds with this device current).
         host: the adapter's object whose ``global_steps`` and ``skipped_steps`` count commits.
-        step_lr_scheduler: called once per applied (not skipped) commit.
+        step_lr_scheduler: called once per applied (not skipped) commit, where stock steps its
+            scheduler: at the end of the micro-batch call (``step()``) that launched the commit, or
+            when the adapter says so (:meth:`step_lr_scheduler_owed`). A commit found skipped
+            later has that step undone (see :class:`_LRBookkeeping`).
+        lr_scheduler: returns the scheduler object ``step_lr_scheduler`` steps (for the undo), or None.
         loss_scale: the fp16 loss scale backward passes use now (None: no loss scaling).
         update_loss_scale: called with ``skipped`` once per committed step (dynamic loss scaling
             updates its scaler there); returns the loss scale to report, or None without fp16.
@@ -99,6 +104,7 @@ class AccoDriver:
     def __init__(self, config, *, groups: Sequence[BufferGroup], optimizer: torch.optim.Optimizer, process_group,
                  gradient_accumulation_steps: int, clip_grad: float, device: torch.device, host: Any,
                  step_lr_scheduler: Optional[Callable[[], None]] = None,
+                 lr_scheduler: Optional[Callable[[], Any]] = None,
                  loss_scale: Optional[Callable[[], float]] = None,
                  update_loss_scale: Optional[Callable[[bool], Optional[float]]] = None,
                  after_commit: Optional[Callable[[RoundResult, dict], None]] = None,
@@ -107,7 +113,7 @@ class AccoDriver:
         self.config = config
         self.log = log or logger.info
         self.host = host
-        self.step_lr_scheduler = step_lr_scheduler
+        self.lr = _LRBookkeeping(step_lr_scheduler, lr_scheduler or (lambda: None), lambda: optimizer)
         self.update_loss_scale = update_loss_scale
         self.after_commit = after_commit
         self.monitor = monitor
@@ -129,7 +135,8 @@ class AccoDriver:
         self.schedule = AccoSchedule(
             groups, self.shard_optimizer, self.lane, process_group=self.process_group, rank=rank, world=len(ranks),
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(self.process_group),
-            loss_scale=loss_scale, report=self._report, on_commit=self._on_commit)
+            loss_scale=loss_scale, report=self._report, on_commit=self._on_commit,
+            before_launch=self.lr.step_owed, after_launch=self.lr.launched)
         self._boundary: Optional[bool] = None
         self._abandoned = False
         self._previous_sigterm = None
@@ -165,24 +172,37 @@ class AccoDriver:
         return self._boundary if self._boundary is not None else self.schedule.forecast_phase_end()
 
     @contextlib.contextmanager
-    def micro_batch(self, weight: float = 1.0):
+    def micro_batch(self, weight: float = 1.0, step_lr_scheduler: bool = True):
         """Around the framework's per-micro-batch step: decides whether the phase ends (yielded;
         :meth:`is_boundary` answers it meanwhile) and counts the micro-batch. The adapter calls
-        :meth:`end_phase` inside when it ends. Afterwards a stop request is honoured."""
+        :meth:`end_phase` inside when it ends. Afterwards the LR scheduler step owed for a commit
+        launched inside is taken (unless ``step_lr_scheduler`` is False: the adapter calls
+        :meth:`step_lr_scheduler_owed` itself where its caller expects it) and a stop request is
+        honoured."""
         self._boundary = self.schedule.decide_phase_end()
         self.schedule.record_micro_batch(weight)
         try:
             yield self._boundary
         finally:
             self._boundary = None
+        if step_lr_scheduler:
+            self.lr.step_owed()
         if self.stop_requested_by_any_rank():
             self._stop()
+
+    def step_lr_scheduler_owed(self) -> None:
+        """Step the LR scheduler for a commit launched since the last call, if any: where stock
+        steps it (after its optimizer step), so a caller reading the learning rate after
+        ``step()`` (Megatron logs ``param_groups[0]['lr']``) reads stock's value."""
+        self.lr.step_owed()
 
     def end_phase(self) -> None:
         self.schedule.end_phase()
 
     def drain(self) -> Optional[RoundResult]:
-        """Wait for the round in flight (a finished commit counts as committed)."""
+        """Wait for the round in flight (a finished commit counts as committed); the LR scheduler
+        step owed for a launched commit is taken first, so a checkpoint holds it."""
+        self.lr.step_owed()
         return self.schedule.drain()
 
     def committed_weights(self):
@@ -196,12 +216,11 @@ class AccoDriver:
         scale = None
         if self.update_loss_scale is not None:
             scale = self.update_loss_scale(result.skipped)  # once per optimizer step, as DeepSpeed does
-        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, self.get_lr(),
-                                        loss_scale=scale)
+        self.lr.collected(result.skipped)
+        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history,
+                                        result.lr if result.lr is not None else self.get_lr(), loss_scale=scale)
         if result.skipped:
             self.host.skipped_steps += 1
-        elif self.step_lr_scheduler is not None:
-            self.step_lr_scheduler()
         if self.after_commit is not None:
             self.after_commit(result, record)
         self.host.global_steps += 1
@@ -317,6 +336,71 @@ class AccoDriver:
         if pg is None or not dist.is_initialized() or self.lane.stuck:
             return
         _destroy_group(pg)
+
+
+class _LRBookkeeping:
+    """When the LR scheduler steps, relative to the commits (ACCO.md: both rounds of step t use
+    step t's learning rate; the scheduler advances once per applied commit).
+
+    Every round captures the optimizer's settings when it is launched (``ShardOptimizer.settings``),
+    so the scheduler may step as soon as the commit of step t is launched -- where stock steps it,
+    after its optimizer step -- and the estimate of step t+1, launched later, reads step t+1's
+    rate. Stepping at the collection instead (a phase later) would leave the learning rate that a
+    caller reads after ``step()`` one step behind stock's. Whether the commit is applied is known
+    only at its collection: a skipped one (non-finite gradient) has its scheduler step cancelled if
+    still owed, else undone (the scheduler's attributes and the param groups' settings as they were
+    before it, kept from the step). A scheduler whose attributes cannot be copied is not undone
+    (a warning, once)."""
+
+    def __init__(self, step: Optional[Callable[[], None]], scheduler: Callable[[], Any],
+                 optimizer: Callable[[], torch.optim.Optimizer]):
+        self._step, self._scheduler, self._optimizer = step, scheduler, optimizer
+        self._owed = False  # a launched commit's scheduler step not yet taken
+        self._undo = None  # (scheduler attributes, param-group settings) from before the step of the commit in flight
+        self._warned = False
+
+    def launched(self, kind) -> None:
+        from .rounds import RoundKind
+        if kind is RoundKind.COMMIT and self._step is not None and self._scheduler() is not None:
+            self._owed, self._undo = True, None
+
+    def step_owed(self) -> None:
+        if not self._owed:
+            return
+        self._owed = False
+        self._undo = self._snapshot()
+        self._step()
+
+    def collected(self, skipped: bool) -> None:
+        """The commit launched last was collected: ``skipped`` or applied."""
+        undo, self._undo = self._undo, None
+        if not skipped:
+            return
+        if self._owed:
+            self._owed = False  # never taken: nothing to undo
+            return
+        if undo is None:
+            if self._step is not None and not self._warned:
+                self._warned = True
+                logger.warning("ACCO: a skipped commit's LR scheduler step could not be undone (its attributes "
+                               "could not be copied); the schedule runs one step ahead from here")
+            return
+        attrs, settings = undo
+        scheduler = self._scheduler()
+        vars(scheduler).update(attrs)
+        for group, values in zip(self._optimizer().param_groups, settings):
+            group.update(values)
+
+    def _snapshot(self):
+        scheduler = self._scheduler()
+        if scheduler is None:
+            return None
+        try:
+            attrs = {k: copy.deepcopy(v) for k, v in vars(scheduler).items() if k != "optimizer"}
+        except Exception:  # noqa: BLE001 -- no undo for this scheduler (warned if a skip needs it)
+            return None
+        from .functional_step import capture_settings
+        return attrs, capture_settings(self._optimizer())
 
 
 def _destroy_group(pg) -> None:

@@ -49,8 +49,10 @@ class _CpuAdamMirror:
 _CPU_ADAM_MIRRORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _shared_steps(optimizer, kind: str, items) -> List:
-    """Per-item step data that depends on the other parameters of the call."""
+def _shared_steps(optimizer, kind: str, items, groups=None) -> List:
+    """Per-item step data that depends on the other parameters of the call (``groups``: the param
+    groups as the step reads them, :func:`.functional_step.step_groups`; default the optimizer's)."""
+    groups = optimizer.param_groups if groups is None else groups
     if kind == "cpu_adam":
         mirror = _CPU_ADAM_MIRRORS.get(optimizer)
         if mirror is None:
@@ -58,7 +60,7 @@ def _shared_steps(optimizer, kind: str, items) -> List:
             mirror = _CPU_ADAM_MIRRORS[optimizer] = _CpuAdamMirror(b1, b2)
         by_id = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
         out: List = [None] * len(items)
-        for group in optimizer.param_groups:  # step()'s order of IncrementStep calls
+        for group in groups:  # step()'s order of IncrementStep calls
             for p in group[_GROUP_PARAMS]:
                 i = by_id.get(id(p))
                 if i is None:
@@ -71,7 +73,7 @@ def _shared_steps(optimizer, kind: str, items) -> List:
         # each group (starting from group['step'] when that state is new); fp32 only: +1.
         out = [None] * len(items)
         with_grad = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
-        for group in optimizer.param_groups:
+        for group in groups:
             mine = [p for p in group[_GROUP_PARAMS] if id(p) in with_grad]
             if not mine:
                 continue

@@ -38,7 +38,7 @@ their real step: the C++ object's running β^t cannot be advanced from Python.
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
@@ -125,10 +125,12 @@ def supports(optimizer) -> bool:
 
 # -- the entry point -------------------------------------------------------------------------
 def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-                  outs: Sequence[torch.Tensor], chunk_elems: int = DEFAULT_CHUNK_ELEMS, lr_scale: float = 1.0) -> None:
+                  outs: Sequence[torch.Tensor], chunk_elems: int = DEFAULT_CHUNK_ELEMS, lr_scale: float = 1.0,
+                  settings: Optional[Sequence[dict]] = None) -> None:
     """``outs[i] ← Opt(θ, S, g)`` for ``params[i]``, as one ``optimizer.step()`` with ``p.grad =
     grads[i]`` would compute it; ``params``, the state and the param groups are only read
-    (``lr_scale``: the step uses each group's learning rate × this, without writing it).
+    (``settings``: the groups' settings to use, see :func:`capture_settings`, default their
+    current ones; ``lr_scale``: the step uses each group's learning rate × this, without writing it).
 
     ``params`` are tensors the optimizer owns (the ones a real step would see a gradient on; a
     ``None`` gradient leaves the parameter as it is, as the step would). Parameters, gradients
@@ -147,17 +149,36 @@ def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Opt
     if not (len(params) == len(grads) == len(outs)):
         raise ValueError("params, grads and outs must have the same length")
     with torch.no_grad():
-        _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale)
+        _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale, settings)
 
 
-def _with_lr_scale(group: dict, lr_scale: float) -> dict:
-    """The group as the kernels read it: a copy with the learning rate × ``lr_scale`` (never the
-    optimizer's own dict: a scheduler may write it from another thread meanwhile)."""
-    return group if lr_scale == 1.0 else {**group, "lr": group["lr"] * lr_scale}
+def capture_settings(optimizer) -> List[dict]:
+    """Every param group's settings now (all but ``params``; tensors cloned), captured on the
+    compute lane when a round is launched: the round's step uses them, so a scheduler the caller
+    steps while the round runs (Accelerate and HF Trainer step theirs after each optimizer step,
+    on the compute thread) cannot change which learning rate that round's step takes."""
+    return [{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != _GROUP_PARAMS}
+            for g in optimizer.param_groups]
 
 
-def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1.0) -> None:
-    groups = [_with_lr_scale(g, lr_scale) for g in optimizer.param_groups]  # one copy per group, not per parameter
+def step_groups(optimizer, settings: Optional[Sequence[dict]] = None, lr_scale: float = 1.0) -> List[dict]:
+    """The param groups as a step reads them: copies of the optimizer's (never its own dicts: a
+    scheduler may write them from another thread meanwhile) with ``settings`` laid over them (see
+    :func:`capture_settings`) and the learning rate × ``lr_scale``. One copy per group."""
+    groups = optimizer.param_groups
+    if settings is not None and len(settings) != len(groups):
+        raise ValueError(f"settings for {len(settings)} param groups, the optimizer has {len(groups)}")
+    out = []
+    for i, g in enumerate(groups):
+        view = {**g, **(settings[i] if settings is not None else {})}
+        if lr_scale != 1.0:
+            view["lr"] = view["lr"] * lr_scale
+        out.append(view)
+    return out
+
+
+def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1.0, settings=None) -> None:
+    groups = step_groups(optimizer, settings, lr_scale)
     group_of = {id(p): g for g in groups for p in g[_GROUP_PARAMS]}
     items = []
     for p, g, o in zip(params, grads, outs):
@@ -186,7 +207,7 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1
         items.append((p, pl, g, ol, group))
     ws = _Workspace(chunk_elems)
     ds = _deepspeed_kernels()
-    steps = ds._shared_steps(optimizer, kind, items)
+    steps = ds._shared_steps(optimizer, kind, items, groups)
     for idx, (p, pl, g, ol, group) in enumerate(items):
         if g is None:
             _copy_chunked(pl, ol, chunk_elems)
@@ -233,7 +254,8 @@ def supports_commit(optimizer) -> bool:
 
 
 def commit_in_place(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-                    chunk_elems: int = DEFAULT_CHUNK_ELEMS, lr_scale: float = 1.0) -> None:
+                    chunk_elems: int = DEFAULT_CHUNK_ELEMS, lr_scale: float = 1.0,
+                    settings: Optional[Sequence[dict]] = None) -> None:
     """θ, S ← Opt(θ, S, g) in place: what one ``optimizer.step()`` with ``p.grad = grads[i]`` (and
     no gradient on any other parameter) does to the parameters and the optimizer state, bit for
     bit, including torch's lazy state initialisation on a parameter's first step (the same
@@ -262,8 +284,7 @@ def commit_in_place(optimizer, params: Sequence[torch.Tensor], grads: Sequence[O
         raise ValueError("every parameter must belong to the optimizer")
     ws = _Workspace(chunk_elems)
     with torch.no_grad():
-        for owner in optimizer.param_groups:  # step()'s order (state entries are created in it)
-            group = _with_lr_scale(owner, lr_scale)  # ``lr_scale``: as in estimate_into
+        for group in step_groups(optimizer, settings, lr_scale):  # step()'s order (state entries are created in it)
             for p in group[_GROUP_PARAMS]:
                 g = grad_of.get(id(p))
                 if g is None:

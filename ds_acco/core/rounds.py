@@ -56,6 +56,7 @@ class RoundResult:
     collected_at: float = 0.0
     skipped: bool = False  # non-finite mean gradient: no update (the estimate fell back to θ)
     lr_factor: float = 1.0  # the learning-rate multiplier the step used (dynamic mode's lr_scaling)
+    lr: Optional[float] = None  # the first param group's learning rate the step used (× lr_factor)
 
     @property
     def total(self) -> Tally:
@@ -74,13 +75,13 @@ class RoundResult:
                 "per_rank": [(t.micro_batches, t.weight) for t in self.per_rank], "grad_norm": self.grad_norm,
                 "drift": self.drift, "peer_report": self.peer_report, "started_at": self.started_at,
                 "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
-                "skipped": self.skipped, "lr_factor": self.lr_factor}
+                "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RoundResult":
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
                    d["grad_norm"], d["drift"], d["peer_report"], d["started_at"], d["finished_at"], d["wait_s"],
-                   d["collected_at"], d.get("skipped", False), d.get("lr_factor", 1.0))
+                   d["collected_at"], d.get("skipped", False), d.get("lr_factor", 1.0), d.get("lr"))
 
 
 @dataclass
@@ -152,11 +153,15 @@ def gather(ctx: RoundContext) -> None:
 
 
 def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Sequence[float],
-              loss_scale: float, exchanged: Optional[tuple] = None) -> RoundResult:
+              loss_scale: float, exchanged: Optional[tuple] = None,
+              settings: Optional[Sequence[dict]] = None) -> RoundResult:
     """One round (ACCO.md): mean gradient over all ranks, one optimizer step on the shard --
     discarded for an estimate, kept for a commit -- and the new parameters all-gathered into B.
     ``exchanged``: the table of :func:`exchange_tallies`, when this rank's drain probe already
-    exchanged it (its peers' rounds did, see schedule.py); the round then starts at the reduce."""
+    exchanged it (its peers' rounds did, see schedule.py); the round then starts at the reduce.
+    ``settings``: the param groups' settings (learning rate, ...) captured when the round was
+    launched (ShardOptimizer.settings): the step of round t uses step t's learning rate whatever
+    a scheduler does on the compute thread meanwhile (default: the settings when it runs)."""
     started = time.perf_counter()
     with record_function(f"ACCO::{kind.value}_round"):
         per_rank, reports = exchanged if exchanged is not None else exchange_tallies(ctx, local, report)
@@ -191,18 +196,20 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
             with record_function(f"ACCO::{kind.value}_step"):
                 if kind is RoundKind.COMMIT:
                     before = _keep_shards_for_drift(ctx)
-                    ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor)
+                    ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
                         drift = _drift(ctx, before)
                     write_shards(ctx)
                 else:
                     outs = [v for g in ctx.groups for v in g.shard_views(g.gather_view())]
-                    ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor)
+                    ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor, settings=settings)
         del grads, flat_grads
         with record_function("ACCO::all_gather"):
             gather(ctx)
+    lr = settings[0].get("lr") if settings else None
     return RoundResult(kind, step, local, per_rank, grad_norm, drift, reports, started, time.perf_counter(),
-                       skipped=skipped, lr_factor=lr_factor)
+                       skipped=skipped, lr_factor=lr_factor,
+                       lr=float(lr) * lr_factor if isinstance(lr, (int, float)) else None)
 
 
 def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:

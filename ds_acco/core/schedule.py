@@ -116,7 +116,10 @@ class AccoSchedule:
         report: called on the compute lane at each launch; a few floats that travel with the
             round's counts to every rank (``RoundResult.peer_report``).
         on_commit: called on the compute lane once per committed step, after θ_{t+1} is known and
-            before the next round is launched (the LR scheduler advances there).
+            before the next round is launched.
+        before_launch: called on the compute lane before each round captures the optimizer's
+            settings (a learning-rate scheduler step still owed is taken there).
+        after_launch: called on the compute lane with the kind of each round just launched.
     """
 
     STATE_VERSION = 3  # 3: live weights and B's parameters saved as this rank's shard
@@ -125,7 +128,9 @@ class AccoSchedule:
                  rank: int, world: int, options: ScheduleOptions, reduce_scatter: bool = False,
                  loss_scale: Optional[Callable[[], float]] = None,
                  report: Optional[Callable[[], Sequence[float]]] = None,
-                 on_commit: Optional[Callable[[RoundResult], None]] = None):
+                 on_commit: Optional[Callable[[RoundResult], None]] = None,
+                 before_launch: Optional[Callable[[], None]] = None,
+                 after_launch: Optional[Callable[[RoundKind], None]] = None):
         self.groups = list(groups)
         self.lane = lane
         self.rank, self.world = rank, world
@@ -144,6 +149,8 @@ class AccoSchedule:
         shard_optimizer.chunk_elems = self.context.chunk_elems
         self.report = report
         self.on_commit = on_commit
+        self.before_launch = before_launch
+        self.after_launch = after_launch
         self.loss_scale = loss_scale
         self.accumulated_loss_scale = self._current_loss_scale()  # the scale G's contents carry
         self.phase = PhaseKind.BOOTSTRAP
@@ -434,9 +441,17 @@ class AccoSchedule:
         step = self.step_index
         report = self._report() if exchanged is None else None
         ctx = self.context
+        if self.before_launch is not None:
+            self.before_launch()
+        # The round's step uses the settings of now: a scheduler stepped meanwhile on this thread
+        # (the caller's, as Accelerate and HF Trainer do) must not change them (ACCO.md: both
+        # rounds of step t use step t's learning rate).
+        settings = ctx.shard_optimizer.settings()
         handle = self.lane.submit(f"{kind.value} {step}",
-                                  lambda: run_round(ctx, kind, step, tally, report, scale, exchanged))
+                                  lambda: run_round(ctx, kind, step, tally, report, scale, exchanged, settings))
         self._inflight = _InFlight(handle, kind, step)
+        if self.after_launch is not None:
+            self.after_launch(kind)
 
     def _wait(self, inflight: _InFlight) -> RoundResult:
         if inflight.result is None:

@@ -27,6 +27,7 @@ from . import functional_step
 from .functional_step import DEFAULT_CHUNK_ELEMS
 
 _GROUP_PARAMS = "params"
+_MISSING = object()
 T = TypeVar("T")
 
 
@@ -57,8 +58,12 @@ class ShardOptimizer:
         without step hooks; checked per call) rather than through ``optimizer.step()``."""
         return functional_step.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
 
+    def settings(self) -> List[dict]:
+        """The param groups' settings now, for a round launched now (:func:`.functional_step.capture_settings`)."""
+        return functional_step.capture_settings(self.optimizer)
+
     def commit(self, grads: Sequence[torch.Tensor], read: Optional[Callable[[], T]] = None,
-               lr_scale: float = 1.0) -> Optional[T]:
+               lr_scale: float = 1.0, settings: Optional[Sequence[dict]] = None) -> Optional[T]:
         """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step) if given.
 
         For torch SGD/Adam/AdamW the step is :func:`functional_step.commit_in_place`: bit-identical
@@ -66,31 +71,35 @@ class ShardOptimizer:
         shard-sized ones, and the commit runs while the compute lane's activations are alive);
         any other optimizer (DeepSpeed's Adams included) takes its real step.
 
-        ``lr_scale``: the step uses each group's learning rate × this (dynamic mode's
-        ``lr_scaling``). The functional step reads it without writing the param groups; a real
-        step needs it written there for its duration (:func:`scaled_lr`)."""
+        ``settings``: the param groups' settings the step uses (:meth:`settings`, captured when the
+        round was launched; default: the current ones). ``lr_scale``: the step uses each group's
+        learning rate × this (dynamic mode's ``lr_scaling``). The functional step reads both
+        without writing the param groups; a real step needs them written there for its duration
+        (:func:`applied_settings`)."""
         if len(grads) != len(self.masters):
             raise ValueError(f"expected {len(self.masters)} gradients, got {len(grads)}")
         if self.functional_commit:
-            functional_step.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale)
+            functional_step.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale, settings)
         else:
-            with scaled_lr(self.optimizer, lr_scale):
+            with applied_settings(self.optimizer, settings, lr_scale):
                 self._step(grads)
         return None if read is None else read()
 
     def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                      lr_scale: float = 1.0) -> None:
+                      lr_scale: float = 1.0, settings: Optional[Sequence[dict]] = None) -> None:
         """``outs[i] ← θ̃[i]`` of Opt(θ, S, g) (cast to each out's dtype); θ and S are left exactly
         as they were. ``outs[i]`` is contiguous with the (local) numel of master ``i``.
 
         Functional path when the optimizer is supported (no snapshot; O(chunk_elems) extra
         memory); otherwise snapshot → step → copy → restore (one shard copy of θ and S).
+        ``settings`` and ``lr_scale``: as in :meth:`commit`.
         """
         if len(grads) != len(self.masters) or len(outs) != len(self.masters):
             raise ValueError(f"expected {len(self.masters)} gradients and outputs, "
                              f"got {len(grads)} and {len(outs)}")
         if self.functional:
-            functional_step.estimate_into(self.optimizer, self.masters, grads, outs, self.chunk_elems, lr_scale)
+            functional_step.estimate_into(self.optimizer, self.masters, grads, outs, self.chunk_elems, lr_scale,
+                                          settings)
             return
 
         def copy_out() -> None:
@@ -101,7 +110,7 @@ class ShardOptimizer:
                         raise ValueError(f"output has {dst.numel()} elements, shard {src.numel()}")
                     dst.view(-1).copy_(src.reshape(-1))
 
-        with scaled_lr(self.optimizer, lr_scale):
+        with applied_settings(self.optimizer, settings, lr_scale):
             self.estimate(grads, copy_out)
 
     def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
@@ -134,8 +143,10 @@ class ShardOptimizer:
                 k: (v, v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
                 for k, v in entries.items()
             }
-        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != _GROUP_PARAMS}
-                  for g in self.optimizer.param_groups]
+        # (value, copy): a value the step did not replace is left as it is on restore, so a
+        # setting written meanwhile from another thread is not reverted.
+        groups = [{k: (v, v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                   for k, v in g.items() if k != _GROUP_PARAMS} for g in self.optimizer.param_groups]
         masters = [m.detach().clone() for m in self.masters]
         return state, groups, masters
 
@@ -162,36 +173,73 @@ class ShardOptimizer:
         for g, values in zip(self.optimizer.param_groups, groups):
             for k in [k for k in g if k != _GROUP_PARAMS and k not in values]:
                 del g[k]
-            g.update(values)
+            for k, (orig, value) in values.items():
+                if torch.is_tensor(orig):
+                    with torch.no_grad():
+                        orig.copy_(value)
+                    g[k] = orig
+                elif g.get(k, _MISSING) is not orig:
+                    g[k] = value
 
 
 @contextlib.contextmanager
-def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
-    """Every param group's learning rate × ``factor`` for the duration (a real ``optimizer.step()``
-    reads it from the group), then the value it had. A group whose learning rate a scheduler
-    changed meanwhile (from another thread) keeps the scheduler's value, as far as a value can
-    tell: one that computes from the current value (torch's chainable schedulers) computed from
-    the scaled one, so step such schedulers between rounds (DeepSpeed's ``lr_scheduler``, which
-    ACCO steps after each commit) or use an optimizer with a functional step, which never writes
-    the groups. A tensor learning rate is refused (it may be updated in place)."""
-    if factor == 1.0:
+def applied_settings(optimizer: torch.optim.Optimizer, settings: Optional[Sequence[dict]] = None,
+                     lr_scale: float = 1.0):
+    """For a real ``optimizer.step()``, which reads its param groups: each group holds ``settings``
+    (captured when the round was launched) with the learning rate × ``lr_scale`` for the duration,
+    then what it held before. A value that someone else (a scheduler on the compute thread)
+    replaced meanwhile is kept: only values still ours are restored. A scheduler that computes
+    from the current value (torch's chainable schedulers) would compute from ours, so step such
+    schedulers between rounds (DeepSpeed's ``lr_scheduler``, which ACCO steps itself) or use an
+    optimizer with a functional step, which never writes the groups. A tensor learning rate
+    cannot be scaled (it may be updated in place): refused."""
+    groups = optimizer.param_groups
+    if settings is not None and len(settings) != len(groups):
+        raise ValueError(f"settings for {len(settings)} param groups, the optimizer has {len(groups)}")
+    wanted = []
+    for i, g in enumerate(groups):
+        mine = {k: v for k, v in (settings[i] if settings is not None else {}).items() if not _same(g.get(k, _MISSING), v)}
+        if lr_scale != 1.0:
+            lr = mine.get("lr", g["lr"])
+            if torch.is_tensor(lr):
+                raise ValueError("acco.dynamic.lr_scaling with a tensor learning rate and an optimizer without a "
+                                 f"functional step ({type(optimizer).__name__}): the scaled rate cannot be undone "
+                                 "safely; fix: use a float lr, or set acco.dynamic.lr_scaling to 'none'")
+            mine["lr"] = lr * lr_scale
+        wanted.append(mine)
+    if not any(wanted):
         yield
         return
-    groups = optimizer.param_groups
-    if any(torch.is_tensor(g["lr"]) for g in groups):
-        raise ValueError("acco.dynamic.lr_scaling with a tensor learning rate and an optimizer without a functional "
-                         f"step ({type(optimizer).__name__}): the scaled rate cannot be undone safely; fix: use a "
-                         "float lr, or set acco.dynamic.lr_scaling to 'none'")
-    saved = [g["lr"] for g in groups]
-    scaled = [lr * factor for lr in saved]
+    saved = [{k: g.get(k, _MISSING) for k in mine} for g, mine in zip(groups, wanted)]
     try:
-        for g, lr in zip(groups, scaled):
-            g["lr"] = lr
+        for g, mine in zip(groups, wanted):
+            g.update(mine)
         yield
     finally:
-        for g, lr, ours in zip(groups, saved, scaled):
-            if g["lr"] == ours:
-                g["lr"] = lr
+        for g, mine, before in zip(groups, wanted, saved):
+            for k, ours in mine.items():
+                if _same(g.get(k, _MISSING), ours):
+                    if before[k] is _MISSING:
+                        g.pop(k, None)
+                    else:
+                        g[k] = before[k]
+
+
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
+    """Every param group's learning rate × ``factor`` for the duration (:func:`applied_settings`)."""
+    return applied_settings(optimizer, None, factor)
+
+
+def _same(a, b) -> bool:
+    """Whether a group still holds the value we wrote: the same object, or an equal plain value."""
+    if a is b:
+        return True
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return False
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001 -- an exotic value: not ours
+        return False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

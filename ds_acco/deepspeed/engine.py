@@ -133,7 +133,8 @@ class AccoEngine(DeepSpeedEngine):
             return out
         # The caller sets the boundary itself (Megatron): this backward is the micro-batch.
         weight, self._acco_weight = self._acco_weight, 1.0
-        with driver.micro_batch(weight) as ends:
+        # The LR scheduler step owed for a commit launched here waits for the caller's step(lr_kwargs).
+        with driver.micro_batch(weight, step_lr_scheduler=False) as ends:
             self._acco_check_caller_boundary(driver)
             if ends:
                 self.optimizer.step()  # ends the phase; a commit collected here is booked now
@@ -162,6 +163,7 @@ class AccoEngine(DeepSpeedEngine):
             # Once per iteration of a caller that sets the boundary: the micro-batches were counted
             # (and phases ended) in backward(); only the per-iteration bookkeeping is left.
             self._acco_lr_kwargs = lr_kwargs
+            driver.step_lr_scheduler_owed()  # where stock steps it: the LR read after step() is stock's
             self._step_applied = not self._acco_window_skipped
             self._acco_window_skipped = False
             return None

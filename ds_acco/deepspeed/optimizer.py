@@ -93,6 +93,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             acco_config, groups=groups, optimizer=self.optimizer, process_group=self.dp_process_group,
             gradient_accumulation_steps=gradient_accumulation_steps, clip_grad=self.clip_grad,
             device=groups[0].live.device, host=engine, step_lr_scheduler=engine._acco_step_lr_scheduler,
+            lr_scheduler=lambda: engine.lr_scheduler,
             loss_scale=lambda: self.loss_scale, update_loss_scale=self._acco_update_loss_scale,
             after_commit=self._after_commit, log=logger.info, framework="DeepSpeed ZeRO-1",
             announce=logger.warning)  # DeepSpeed's logger shows WARNING and above by default

@@ -97,6 +97,7 @@ class AccoFSDP:
             acco, groups=[self.buffers], optimizer=optimizer, process_group=self._mesh_group,
             gradient_accumulation_steps=gas, clip_grad=float(clip), device=self.buffers.grads.device, host=self,
             step_lr_scheduler=None if lr_scheduler is None else lr_scheduler.step,
+            lr_scheduler=lambda: self.lr_scheduler,
             loss_scale=None if scaler is None else (lambda: scaler.cur_scale),
             update_loss_scale=None if scaler is None else self._update_loss_scale, log=logger.info,
             framework="FSDP2")
