@@ -32,6 +32,10 @@ Exact scope (everything this module changes, and only while installed):
    * ``transformers.Trainer.evaluation_loop`` and ``transformers.Trainer.save_model`` run inside
      :func:`ds_acco.committed_weights`: at the Trainer's step boundaries ACCO's live weights are the
      estimate θ̃, which must be neither evaluated nor exported.
+3. ``deepspeed.runtime.engine.DeepSpeedEngine.__init__`` runs unchanged, then warns on rank 0 (DeepSpeed's
+   logger) when it built a stock engine from a config whose ``"acco"`` block is enabled: an
+   ``initialize`` looked up before ``install()``, or an engine constructed directly, would otherwise
+   train without ACCO silently.
 
 The router itself calls the original ``deepspeed.initialize`` (``ds_acco.initialize`` does), so
 a thread-local guard sends nested calls straight to the original. ``install()`` is idempotent,
@@ -73,6 +77,8 @@ def install() -> None:
             original = deepspeed.initialize
             _original_initialize = original
             _patch(deepspeed, "initialize", _make_router(original))
+            engine = deepspeed.runtime.engine.DeepSpeedEngine
+            _patch(engine, "__init__", _warn_if_stock(engine.__init__))
         _patch_frameworks()
 
 
@@ -191,6 +197,39 @@ def _on_committed_weights(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
 
     return method
+
+
+# -- stock engines built from an ACCO config ------------------------------------------------------
+def _warn_if_stock(original: Callable) -> Callable:
+    """``DeepSpeedEngine.__init__`` unchanged, then a warning when the engine is stock although its
+    config enables ACCO: its ``initialize`` was looked up before ``install()``, or it was built directly."""
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        try:
+            _warn_stock_acco(self)
+        except Exception:  # noqa: BLE001 -- a warning never fails an engine that DeepSpeed built
+            pass
+
+    return __init__
+
+
+def _warn_stock_acco(engine) -> None:
+    acco_engine = getattr(sys.modules.get("ds_acco.deepspeed.engine"), "AccoEngine", None)
+    if acco_engine is not None and isinstance(engine, acco_engine):
+        return
+    raw = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    block = raw.get(ACCO_KEY) if isinstance(raw, Mapping) else None
+    if not isinstance(block, Mapping) or block.get("enabled") is not True or getattr(engine, "global_rank", 0) != 0:
+        return
+    from deepspeed.utils import logger
+
+    logger.warning(
+        f"ds_acco: this DeepSpeed config has \"{ACCO_KEY}\": {{\"enabled\": true}} but the engine is a stock "
+        f"{type(engine).__name__}: training runs WITHOUT ACCO. Its deepspeed.initialize was looked up before "
+        "ds_acco.install() (e.g. `from deepspeed import initialize` in a module imported earlier), or the engine "
+        "was constructed directly; fix: call ds_acco.install() before importing the training code (or run it with "
+        "`python -m ds_acco run` / DS_ACCO_INSTALL=1), or call ds_acco.initialize")
 
 
 # -- bookkeeping -----------------------------------------------------------------------------------

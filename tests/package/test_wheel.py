@@ -4,7 +4,8 @@ reference model (``ds_acco.gpt``) and the bench, which runs without the reposito
 The end-to-end test builds a wheel of this checkout, installs it with ``--no-deps`` into a fresh
 venv outside the repository (the dependencies come from this interpreter's site-packages through
 a ``.pth`` file, so nothing is downloaded), and from a directory outside the repository runs
-``python -m ds_acco check`` on a shipped config by name and the A/B runner's dry run.
+``python -m ds_acco check`` on a shipped config by name, the A/B runner's dry run and
+``DS_ACCO_INSTALL=1`` through the installed ``.pth`` (a deepspeed probe, then the import).
 """
 from __future__ import annotations
 
@@ -154,6 +155,18 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
         assert r["command"][1:3] == ["-m", "ds_acco.bench.worker"] and _inside(r["command"][0], venv)
         assert "PYTHONPATH" not in r["env"]
     assert not (work / "out").exists()  # a dry run writes nothing
+
+    # DS_ACCO_INSTALL=1 through the installed .pth: start-up loads only the hook (no torch), and a probe
+    # like transformers' (find_spec before the import) leaves it armed for the import that follows.
+    auto = _run([py, "-c", "import importlib.util, json, sys; a = sys.modules['ds_acco._autoinstall']; "
+                 "heavy = sorted(m for m in ('ds_acco', 'torch', 'deepspeed') if m in sys.modules); "
+                 "importlib.util.find_spec('deepspeed'); importlib.util.find_spec('deepspeed'); "
+                 "from deepspeed import initialize; import ds_acco; "
+                 "print('AUTO', json.dumps([heavy, a.__file__, ds_acco.installed(), "
+                 "getattr(initialize, '__ds_acco_router__', False)]))"],
+                cwd=work, env={**env, "DS_ACCO_INSTALL": "1"}).stdout
+    heavy, hook_file, installed, routed = json.loads(auto[auto.index("AUTO ") + 5:].splitlines()[0])
+    assert heavy == [] and _inside(hook_file, venv) and installed and routed, auto[-2000:]
 
     # The reference model builds and computes a loss from the installed package.
     loss = _run([py, "-c", "import torch; from ds_acco.gpt import CausalLM; torch.manual_seed(0); "
