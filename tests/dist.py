@@ -1,23 +1,101 @@
-"""Spawn N local ranks (gloo on 127.0.0.1, a free port) that run one function each."""
+"""Start distributed jobs in tests without racing for a port.
+
+A port found free and bound later can be taken in between by any process on the machine
+(EADDRINUSE under load, see shared/PLATFORM_NOTES.md). So nothing here picks a port for someone
+else to bind:
+
+- :func:`run_ranks` spawns N local ranks (gloo on 127.0.0.1) that run one function each. This
+  process binds the rendezvous store itself, on port 0, before any rank starts
+  (:func:`rendezvous_store`); the ranks find it through MASTER_PORT and torch's
+  ``TORCHELASTIC_USE_AGENT_STORE``, the way torchrun's workers find their agent's store, so
+  env:// initialisation (DeepSpeed's, FSDP's, a worker's own) works unchanged.
+- torchrun binds its own store on port 0 with :data:`TORCHRUN_RENDEZVOUS`.
+- The ``deepspeed`` launcher has no such mode (rank 0 binds ``--master_port``): :func:`launch`
+  retries the whole launch on a fresh port when the ranks' output says the address was in use.
+"""
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing as mp
 import os
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
+from datetime import timedelta
+from typing import Callable, Iterator
 
 import torch
+from torch.distributed import TCPStore
 
 from timeouts import scaled
 
+HOST = "127.0.0.1"
+# torchrun's c10d rendezvous on port 0: its agent binds the store and hands the real port to its workers.
+TORCHRUN_RENDEZVOUS = ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HOST}:0")
+LAUNCH_ATTEMPTS = 3  # a launch that lost its port to another process is retried this often in all
+_ADDRESS_IN_USE = ("address already in use", "eaddrinuse")
 
-def free_port() -> int:
+
+@contextlib.contextmanager
+def rendezvous_store(world: int) -> Iterator[dict]:
+    """A TCPStore bound on port 0 by this process, alive for the ``with`` block; yields the
+    environment that makes every rank's env:// initialisation a client of it."""
+    store = TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=scaled(300)))
+    try:
+        yield {"MASTER_ADDR": HOST, "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store
+
+
+def address_in_use(output: str) -> bool:
+    """Whether a launch's output says a rank could not bind its address."""
+    low = output.lower()
+    return any(tag in low for tag in _ADDRESS_IN_USE)
+
+
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
+    """Output of ``proc`` (a session leader); on timeout kill its whole process group."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return out, False
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        clear_stale_build_locks()  # it may have been killed while compiling a DeepSpeed op
+        return out, True
+
+
+def _unbound_port() -> int:
+    """A port free at this instant, for launchers that insist on binding it themselves; only
+    :func:`launch` uses it, since only it retries when the port is gone by then."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def launch(start: Callable[[int], subprocess.Popen], timeout: float,
+           attempts: int = LAUNCH_ATTEMPTS) -> tuple[subprocess.Popen, str, bool]:
+    """Run a job whose launcher binds a port we must name in advance (``deepspeed --master_port``).
+
+    ``start(port)`` starts it as a session leader with stdout piped (stderr merged). If it fails
+    and its output says the address was in use, it is started again on another port, at most
+    ``attempts`` times in all. Returns the last process, its output and whether it timed out.
+    """
+    for attempt in range(1, attempts + 1):
+        proc = start(_unbound_port())
+        out, timed_out = communicate(proc, timeout)
+        if timed_out or proc.returncode == 0 or not address_in_use(out) or attempt == attempts:
+            return proc, out, timed_out
+        print(f"dist.launch: attempt {attempt} lost its port to another process; relaunching", flush=True)
+    raise AssertionError("unreachable")
 
 
 def clear_stale_build_locks() -> None:
@@ -29,9 +107,9 @@ def clear_stale_build_locks() -> None:
         prebuild.clear_stale_locks(root, log=lambda line: print(line, flush=True))
 
 
-def _entry(rank, world, port, fn, kwargs, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
+def _entry(rank, world, store_env, fn, kwargs, out):
+    os.environ.update(store_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     try:
         result = fn(**kwargs)
@@ -55,10 +133,10 @@ def run_ranks(fn, world: int = 2, timeout: float = None, allow_missing: bool = F
     if timeout is None:
         timeout = scaled(100)
     ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, rendezvous_store(world) as store_env:
+        port = store_env["MASTER_PORT"]
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=_entry, args=(r, world, port, fn, kwargs, outs[r])) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, store_env, fn, kwargs, outs[r])) for r in range(world)]
         for p in procs:
             p.start()
         # One deadline for all ranks. Once a rank has failed, the others get a grace period only:

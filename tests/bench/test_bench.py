@@ -14,7 +14,6 @@ import pytest
 from ds_acco.bench import advisor, cluster, report, runner
 
 import prebuild
-from dist import free_port
 from timeouts import scaled
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -439,7 +438,7 @@ def test_cluster_commands_stay_inside_our_namespaces():
     assert addrs == ["10.250.0.1/24", "10.250.0.2/24", "10.250.0.3/24"]
     shaped = [c for c in cl.commands if "tbf" in c]
     assert len(shaped) == 4  # two shaped nodes, both directions; the third is unshaped
-    port = free_port()  # rank_env only builds a dict; a free port all the same (no fixed ports in tests)
+    port = 29511  # rank_env only builds a dict: nothing binds this number
     env = cl.rank_env(1, port)
     assert env["MASTER_PORT"] == str(port) and env["MASTER_ADDR"] == "10.250.0.1" and env["GLOO_SOCKET_IFNAME"] == "eth0" and env["RANK"] == "1"
     assert env["LOCAL_RANK"] == "0" and env["LOCAL_SIZE"] == "1"

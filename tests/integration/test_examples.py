@@ -1,18 +1,18 @@
 """The examples, a few steps each on 2 CPU ranks under the ``deepspeed`` launcher:
 ``pretrain_gpt.py`` (with a checkpoint and an exact resume), ``finetune_hf_trainer.py`` (HF Trainer
 + ``ds_acco.install()``) and ``train_gpt.py --ab``. The launcher comes from ``sys.executable``'s
-directory, with a non-existent ``--hostfile`` (never ``/job/hostfile`` or ssh) and a free port on
-127.0.0.1; on failure the test shows the command and the tail of its output."""
+directory, with a non-existent ``--hostfile`` (never ``/job/hostfile`` or ssh), on 127.0.0.1 (a launch
+whose port was taken before rank 0 bound it is retried, see tests/dist.py); on failure the test shows
+the command and the tail of its output."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from timeouts import scaled
-from test_launchers import REPO, _communicate, base_env, free_port, launcher, tail  # noqa: F401
+from dist import communicate
+from test_launchers import REPO, base_env, run_deepspeed, start, tail, torchrun_cmd
 
 TIMEOUT_S = scaled(80)  # per example run; see tests/timeouts.py
 EXAMPLES = REPO / "examples"
@@ -20,16 +20,10 @@ EXAMPLES = REPO / "examples"
 
 def deepspeed_run(tmp_path, script, *args) -> str:
     """Run ``deepspeed --num_gpus 2 script args``; return its output, or fail with its tail."""
-    cmd = launcher("deepspeed")
-    if not cmd:
-        pytest.fail(f"no 'deepspeed' launcher next to {sys.executable} or on PATH (is deepspeed installed?)")
-    cmd += ["--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "--hostfile", str(tmp_path / "no-hostfile"), str(script), *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    out, timed_out = _communicate(proc, TIMEOUT_S)
-    if timed_out or proc.returncode != 0:
-        why = f"timed out after {TIMEOUT_S:.0f} s" if timed_out else f"exited with status {proc.returncode}"
+    cmd, out, rc, timed_out = run_deepspeed(["--hostfile", str(tmp_path / "no-hostfile"), str(script),
+                                             *map(str, args)], base_env(), TIMEOUT_S)
+    if timed_out or rc != 0:
+        why = f"timed out after {TIMEOUT_S:.0f} s" if timed_out else f"exited with status {rc}"
         pytest.fail(f"{script.name}: {why}\ncommand: {' '.join(cmd)}\n--- last lines of output ---\n{tail(out)}",
                     pytrace=False)
     return out
@@ -84,11 +78,8 @@ def test_train_gpt_ab(tmp_path):
 
 def test_train_fsdp(tmp_path):
     """examples/train_fsdp.py under torchrun: FSDP2 + ACCO, a few steps, held-out loss at the end."""
-    cmd = launcher("torchrun", "torch.distributed.run") + [
-        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(EXAMPLES / "train_fsdp.py"), "--steps", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    out, timed_out = _communicate(proc, TIMEOUT_S)
+    cmd = torchrun_cmd(str(EXAMPLES / "train_fsdp.py"), "--steps", "2")
+    proc = start(cmd, base_env())
+    out, timed_out = communicate(proc, TIMEOUT_S)
     assert not timed_out and proc.returncode == 0, f"command: {' '.join(cmd)}\n{tail(out)}"
     assert "done: 2 committed steps" in out and "held-out loss" in out, tail(out)

@@ -7,13 +7,17 @@ RANK, WORLD_SIZE, ... set by hand). The run is deterministic, so all numbers mus
 a launcher that wires ranks differently (wrong rank, world size 1, different data) fails.
 
 Launchers and the interpreter come from ``sys.executable``'s directory (the venv's bin) so that
-the tests work in a fresh venv that is not activated. All traffic stays on 127.0.0.1.
+the tests work in a fresh venv that is not activated. All traffic stays on 127.0.0.1. No port is
+picked for a launcher to bind later (another process could take it first, see tests/dist.py): the
+reference run's store is bound by this process, torchrun binds its own on port 0, under mpirun rank
+0 binds one on port 0 (tests/launch/smoke.py), and a ``deepspeed`` launch that lost its port is retried.
 
 The mpirun test needs the PyPI packages ``mpich`` and ``mpi4py`` (``pip install mpich mpi4py``):
 without them it skips, or fails when the environment variable CI is set.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -27,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from dist import clear_stale_build_locks
+from dist import (LAUNCH_ATTEMPTS, TORCHRUN_RENDEZVOUS, address_in_use, clear_stale_build_locks, communicate, launch,
+                  rendezvous_store)
 from timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,12 +54,6 @@ _JOB_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "MPI_LOCAL", "TORCHELA
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(**extra: str) -> dict:
@@ -89,27 +88,38 @@ def tail(text: str, lines: int = 60) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
-    """Output of ``proc`` (a session leader); on timeout kill its whole process group."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return out, False
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, _ = proc.communicate()
-        clear_stale_build_locks()  # it may have been killed while compiling a DeepSpeed op
-        return out, True
+def start(cmd: list[str], env: dict) -> subprocess.Popen:
+    """``cmd`` in the repository as a session leader (so a timeout kills every rank), output merged."""
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def run_job(label: str, cmd: list[str], env: dict) -> dict:
-    """Run one launcher command; return rank 0's SMOKE_RESULT or fail with the output's tail."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    out, timed_out = _communicate(proc, TIMEOUT_S)
+    """Run one launcher command that binds no port we chose; return rank 0's SMOKE_RESULT or fail."""
+    proc = start(cmd, env)
+    out, timed_out = communicate(proc, TIMEOUT_S)
     return parse_result(label, cmd, out, proc.returncode, timed_out)
+
+
+def deepspeed_cmd(port: int, *args: str) -> list[str]:
+    """``deepspeed --num_gpus WORLD`` on 127.0.0.1:``port`` with ``args``, or fail if there is no launcher."""
+    cmd = launcher("deepspeed")
+    if not cmd:
+        pytest.fail(f"no 'deepspeed' launcher next to {sys.executable} or on PATH (is deepspeed installed?)")
+    return cmd + ["--num_gpus", str(WORLD), "--master_addr", "127.0.0.1", "--master_port", str(port), *args]
+
+
+def run_deepspeed(args: list[str], env: dict, timeout: float = TIMEOUT_S) -> tuple[list[str], str, int, bool]:
+    """Launch ``deepspeed_cmd(port, *args)``, retried on another port if the first was taken by then
+    (tests/dist.py); returns the command, its output, exit status and whether it timed out."""
+    proc, out, timed_out = launch(lambda port: start(deepspeed_cmd(port, *args), env), timeout)
+    return proc.args, out, proc.returncode, timed_out
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    """``torchrun`` with WORLD ranks on one node, its rendezvous store bound by itself on port 0."""
+    return launcher("torchrun", module="torch.distributed.run") + [
+        "--nnodes", "1", "--nproc_per_node", str(WORLD), *TORCHRUN_RENDEZVOUS, *args]
 
 
 def parse_result(label: str, cmd: list[str], out: str, rc: int | None, timed_out: bool) -> dict:
@@ -150,15 +160,15 @@ def smoke_args() -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    """The smoke run with no launcher: WORLD processes with the torch.distributed variables set by hand."""
-    port = free_port()
+    """The smoke run with no launcher: WORLD processes with the torch.distributed variables set by hand
+    (the rendezvous store they use is bound by this process beforehand, see tests/dist.py)."""
     cmd = [sys.executable, *smoke_args()]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, rendezvous_store(WORLD) as store_env:
         logs = [open(os.path.join(tmp, f"rank{rank}.log"), "w+") for rank in range(WORLD)]
         procs = []
         for rank in range(WORLD):
             env = base_env(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                           LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                           LOCAL_WORLD_SIZE=str(WORLD), **store_env)
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logs[rank], stderr=subprocess.STDOUT,
                                           text=True, start_new_session=True))
         # Wait for all ranks; once one fails, give the others a short grace period (they would
@@ -193,19 +203,13 @@ def reference() -> dict:
 
 
 def test_deepspeed_launcher(reference, tmp_path):
-    cmd = launcher("deepspeed")
-    if not cmd:
-        pytest.fail(f"no 'deepspeed' launcher next to {sys.executable} or on PATH (is deepspeed installed?)")
-    cmd += ["--num_gpus", str(WORLD), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            # never /job/hostfile (DeepSpeed's default, which would mean a multi-node ssh launch)
-            "--hostfile", str(tmp_path / "no-hostfile"), *smoke_args()]
-    check_against_reference("deepspeed", run_job("deepspeed", cmd, base_env()), reference)
+    # never /job/hostfile (DeepSpeed's default, which would mean a multi-node ssh launch)
+    cmd, out, rc, timed_out = run_deepspeed(["--hostfile", str(tmp_path / "no-hostfile"), *smoke_args()], base_env())
+    check_against_reference("deepspeed", parse_result("deepspeed", cmd, out, rc, timed_out), reference)
 
 
 def test_torchrun(reference):
-    cmd = launcher("torchrun", module="torch.distributed.run")
-    cmd += ["--nnodes", "1", "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), *smoke_args()]
+    cmd = torchrun_cmd(*smoke_args())
     check_against_reference("torchrun", run_job("torchrun", cmd, base_env()), reference)
 
 
@@ -230,12 +234,12 @@ def test_mpirun(request):
         if in_ci():
             pytest.fail(msg + "\n(CI is set, so this is a failure, not a skip)", pytrace=False)
         pytest.skip(msg.replace("\n", "; "))
-    port = free_port()
     cmd = launcher("mpirun") + ["-np", str(WORLD), sys.executable, *smoke_args()]
     env = base_env(
-        # smoke.py maps MPI ranks onto RANK/WORLD_SIZE/LOCAL_RANK itself and keeps these two, so
-        # DeepSpeed's own mpi4py discovery (MASTER_ADDR from `hostname -I`, port 29500) never runs.
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        # smoke.py maps MPI ranks onto RANK/WORLD_SIZE/LOCAL_RANK itself and, with no MASTER_PORT
+        # given, has rank 0 bind the rendezvous store on port 0 and broadcast it, so DeepSpeed's own
+        # mpi4py discovery (MASTER_ADDR from `hostname -I`, port 29500) never runs.
+        MASTER_ADDR="127.0.0.1",
         HYDRA_LAUNCHER="fork",  # MPICH: fork local ranks, never ssh
         HYDRA_IFACE="lo",  # MPICH: hydra's control connection on 127.0.0.1, not the hostname's address
         UCX_NET_DEVICES="lo",  # MPICH's default UCX netmod otherwise listens on every interface
@@ -245,3 +249,70 @@ def test_mpirun(request):
     result = run_job("mpirun", cmd, env)
     # The reference is requested only here, so a skip above costs no reference run.
     check_against_reference("mpirun", result, request.getfixturevalue("reference"))
+
+
+# -- no port is picked for someone else to bind (tests/dist.py) --------------------------------------
+def _binds(port: int) -> subprocess.Popen:
+    """A stand-in launcher that binds ``port`` on 127.0.0.1 the way rank 0 binds --master_port."""
+    code = f"import socket; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); print('bound')"
+    return start([sys.executable, "-c", code], base_env())
+
+
+def test_launch_retries_when_its_port_was_taken_before_it_was_bound():
+    held, ports = [], []
+
+    def start_taken_once(port):
+        ports.append(port)
+        if len(ports) == 1:  # another process takes the port between the choice and the bind
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            held.append(s)
+        return _binds(port)
+
+    try:
+        proc, out, timed_out = launch(start_taken_once, scaled(30))
+    finally:
+        for s in held:
+            s.close()
+    assert (proc.returncode, timed_out, out.strip()) == (0, False, "bound"), out
+    assert len(ports) == 2, ports  # taken once, relaunched once
+
+
+def test_launch_retries_a_bounded_number_of_times_and_not_other_failures():
+    calls, held = [], []
+
+    def always_taken(port):
+        calls.append(port)
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        held.append(s)
+        return _binds(port)
+
+    try:
+        proc, out, _ = launch(always_taken, scaled(30))
+    finally:
+        for s in held:
+            s.close()
+    assert proc.returncode != 0 and address_in_use(out) and len(calls) == LAUNCH_ATTEMPTS, (calls, out)
+
+    calls.clear()
+    proc, out, _ = launch(lambda port: calls.append(port) or start([sys.executable, "-c", "raise SystemExit(3)"],
+                                                                    base_env()), scaled(30))
+    assert proc.returncode == 3 and len(calls) == 1  # any other failure is the test's to report, at once
+
+
+def test_rendezvous_store_holds_its_port_before_any_rank_starts():
+    with rendezvous_store(WORLD) as env:
+        port = int(env["MASTER_PORT"])
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["MASTER_ADDR"] == "127.0.0.1"
+        with socket.socket() as s, pytest.raises(OSError) as taken:
+            s.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        # a rank's env:// initialisation joins it as a client (world 1 here: no peer to wait for)
+        code = ("import torch.distributed as d; d.init_process_group('gloo'); "
+                "print(d.get_world_size(), d.get_rank()); d.destroy_process_group()")
+        one = start([sys.executable, "-c", code], base_env(**env, RANK="0", WORLD_SIZE="1"))
+        out, timed_out = communicate(one, scaled(60))
+        assert (one.returncode, timed_out, out.strip().splitlines()[-1:]) == (0, False, ["1 0"]), out

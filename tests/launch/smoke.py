@@ -3,8 +3,8 @@
 Works unchanged under
 
     deepspeed --num_gpus 2 tests/launch/smoke.py --mode acco
-    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT tests/launch/smoke.py --mode acco
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT mpirun -np 2 python tests/launch/smoke.py --mode acco
+    torchrun --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 tests/launch/smoke.py --mode acco
+    MASTER_ADDR=127.0.0.1 mpirun -np 2 python tests/launch/smoke.py --mode acco
 
 and with plain environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT set by hand, one process per rank). Set DS_ACCELERATOR=cpu on CPU-only hosts.
@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -44,10 +43,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_rendezvous_store = None  # under mpirun without MASTER_PORT: rank 0's store, kept alive for the run
 
 
 def adopt_mpi_env() -> None:
@@ -55,9 +51,12 @@ def adopt_mpi_env() -> None:
 
     Without RANK & co. DeepSpeed runs its own mpi4py discovery, which overwrites MASTER_ADDR
     with the first address of ``hostname -I`` (not loopback) and MASTER_PORT with 29500.
-    Setting the variables here keeps the rendezvous on MASTER_ADDR (default 127.0.0.1) and
-    MASTER_PORT (default: a free port chosen by rank 0), while ranks still come from MPI.
+    Setting the variables here keeps the rendezvous on MASTER_ADDR (default 127.0.0.1) while ranks
+    still come from MPI. With no MASTER_PORT given, rank 0 binds the rendezvous store itself on
+    port 0 and broadcasts its port; every rank then joins it as a client (torch's
+    ``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun), so no port is picked before it is bound.
     """
+    global _rendezvous_store
     if all(v in os.environ for v in _TORCH_ENV) or not any(v in os.environ for v in _MPI_ENV):
         return
     from mpi4py import MPI  # initializes MPI; mpi4py finalizes it at exit
@@ -67,9 +66,15 @@ def adopt_mpi_env() -> None:
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = local.Get_rank()
     local.Free()
-    port = os.environ.get("MASTER_PORT") or comm.bcast(_free_port() if rank == 0 else None, root=0)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank), MASTER_PORT=str(port))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT")
+    if not port:
+        if rank == 0:
+            from torch.distributed import TCPStore
+            _rendezvous_store = TCPStore(os.environ["MASTER_ADDR"], 0, size, is_master=True, wait_for_workers=False)
+        port = comm.bcast(_rendezvous_store.port if rank == 0 else None, root=0)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank), MASTER_PORT=str(port))
 
 
 class SmokeNet(torch.nn.Module):
