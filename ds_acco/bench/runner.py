@@ -9,6 +9,7 @@ they are unit-tested without launching anything.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -120,9 +121,23 @@ class ABSpec:
 
 
 def _free_port() -> int:
+    """A port for the dry run's listing only: nothing binds it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _loopback_store(world: int):
+    """The ranks' rendezvous store, bound on port 0 by the runner before any rank starts and held
+    while they run (they join it as clients, see ``rank_launches``); yields its port. A port
+    found free and bound later by rank 0 could be taken by another process in between."""
+    from torch.distributed import TCPStore
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def _spec_path(raw_out: str) -> str:
@@ -140,7 +155,10 @@ def rank_launches(spec: ABSpec, argv: Sequence[str], *, cl: Optional[cluster.Clu
     loopback at ``port``."""
     if cl is not None:
         return [(cl.wrap(r, argv), {**WORKER_ENV, **cl.rank_env(r, EMULATED_PORT)}) for r in range(spec.world)]
-    return [(list(argv), {**WORKER_ENV, **cluster.loopback_env(r, spec.world, port)}) for r in range(spec.world)]
+    # torch's env:// init then connects to the runner's store as a client (as torchrun's workers do)
+    agent_store = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    return [(list(argv), {**WORKER_ENV, **cluster.loopback_env(r, spec.world, port), **agent_store})
+            for r in range(spec.world)]
 
 
 def check_variant_config(variant: str, cfg: dict) -> None:
@@ -208,12 +226,12 @@ def launch_workers(spec: ABSpec, raw_out: str, out=None) -> dict:
         out.write(f"network: {setup}\n")
         if spec.rate:
             out.write(f"note: --rate {spec.rate} ignored on loopback (shaping needs the emulated cluster)\n")
-        port = _free_port()
-        cmds, envs = zip(*rank_launches(spec, argv, port=port))
-        try:
-            cluster.launch(cmds, envs, timeout_s=spec.timeout_s, stream=out)
-        finally:
-            cluster.sweep_deepspeed_shm(port)
+        with _loopback_store(spec.world) as port:
+            cmds, envs = zip(*rank_launches(spec, argv, port=port))
+            try:
+                cluster.launch(cmds, envs, timeout_s=spec.timeout_s, stream=out)
+            finally:
+                cluster.sweep_deepspeed_shm(port)
     else:
         raise ValueError(f"network {spec.network!r}: use 'auto', 'emulated' or 'loopback'")
     with open(raw_out) as f:
