@@ -1,6 +1,7 @@
 """``python -m ds_acco``: command-line tools.
 
     python -m ds_acco check CONFIG.json     # the resolved "acco" block as JSON, or the errors (exit 2)
+    python -m ds_acco check CONFIG.json --world-size 2   # checked for 2 data-parallel ranks
     python -m ds_acco check acco.json       # a config shipped with ds_acco, by name
     python -m ds_acco configs [NAME]        # paths of the shipped configs (ds_acco.configs)
     python -m ds_acco ab ...                # forwarded to python -m ds_acco.bench ab ...
@@ -20,8 +21,11 @@ deepspeed launcher puts before ``run`` is handed on to the script).
 ``check`` validates the ``"acco"`` block (every key, with its default when absent) and, when ACCO is
 enabled, the DeepSpeed settings it depends on (ZeRO stage, an even ``gradient_accumulation_steps``
 in mode ``acco``, fp16 loss-scaling options, bf16 with fp32 accumulation, offload...), through DeepSpeed's own config
-parser, without starting any process group. CONFIG is a path or, when no such file exists, the name
-of a shipped config. The JSON goes to stdout, notes and errors to stderr.
+parser, without starting any process group, at the data-parallel size ``--world-size N`` (under
+tensor / pipeline parallelism: GPUs / (TP x PP)). Without it the size is ``train_batch_size /
+(train_micro_batch_size_per_gpu x gradient_accumulation_steps)`` when the config sets all three
+(Megatron-DeepSpeed's templates do), else 1. CONFIG is a path or, when no such file exists, the
+name of a shipped config. The JSON goes to stdout, notes and errors to stderr.
 """
 from __future__ import annotations
 
@@ -50,11 +54,13 @@ def _has_auto(value) -> bool:
     return value == "auto"
 
 
-def check(path: str, out=None, err=None) -> int:
-    """Validate the config at ``path`` (or the shipped config of that name); print the resolved
-    block (stdout) or the errors (stderr)."""
+def check(path: str, out=None, err=None, world_size: Optional[int] = None) -> int:
+    """Validate the config at ``path`` (or the shipped config of that name) for ``world_size``
+    data-parallel ranks (None: inferred, see the module docstring); print the resolved block
+    (stdout) or the errors (stderr)."""
     out, err = out or sys.stdout, err or sys.stderr
-    from .config import ACCO_KEY, acco_config_of, check_deepspeed_compat, load_ds_config
+    from .config import (ACCO_KEY, BATCH_KEYS, acco_config_of, check_deepspeed_compat, data_parallel_size,
+                         deepspeed_config_at, load_ds_config)
 
     try:
         found = configs.resolve(path)
@@ -85,12 +91,18 @@ def check(path: str, out=None, err=None) -> int:
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # parsing needs no device; keep DeepSpeed from probing
         try:
-            from deepspeed.runtime.config import DeepSpeedConfig
-
-            check_deepspeed_compat(acco, DeepSpeedConfig(raw))
+            size = data_parallel_size(raw, world_size)
+            check_deepspeed_compat(acco, deepspeed_config_at(raw, size))
         except Exception as exc:  # DeepSpeed's parser raises AssertionError, ValueError, pydantic errors...
             print(f"{path}: error: {exc}", file=err)
             return EXIT_ERROR
+        if world_size is not None:
+            how = "--world-size"
+        elif all(k in raw for k in BATCH_KEYS):
+            how = "train_batch_size / (train_micro_batch_size_per_gpu x gradient_accumulation_steps)"
+        else:
+            how = "the default; pass --world-size N to check for N data-parallel ranks"
+        print(f"{path}: checked at data-parallel size {size} ({how})", file=err)
     print(json.dumps({ACCO_KEY: resolved}, indent=2), file=out)
     return EXIT_OK
 
@@ -176,6 +188,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="validate a DeepSpeed config's \"acco\" block; print it resolved as JSON")
     c.add_argument("config", help="path to a DeepSpeed JSON config, or the name of a shipped one (e.g. acco.json)")
+    c.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="data-parallel size to check at (GPUs / (tensor x pipeline parallel size)); default: "
+                   "train_batch_size / (micro batch x gradient_accumulation_steps) when all three are set, else 1")
     c = sub.add_parser("configs", help="print the paths of the configs shipped with ds_acco")
     c.add_argument("name", nargs="?", help="print only this one's path (e.g. acco.json)")
     sub.add_parser("run", help="ds_acco.install(), then run SCRIPT.py ARGS (or -m MODULE ARGS) as __main__",
@@ -185,7 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.command == "configs":
         return list_configs(args.name)
-    return check(args.config)
+    return check(args.config, world_size=args.world_size)
 
 
 __all__ = ["check", "forward_to_bench", "list_configs", "main", "run_script"]

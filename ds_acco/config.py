@@ -228,6 +228,62 @@ def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int, fp
                          "static fp16.loss_scale > 0")
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def data_parallel_size(ds_config: Mapping[str, Any], world_size: Optional[int] = None) -> int:
+    """The data-parallel size to check ``ds_config`` at (``python -m ds_acco check --world-size``):
+    ``world_size`` when given, else ``train_batch_size / (train_micro_batch_size_per_gpu ×
+    gradient_accumulation_steps)`` when all three are integers, else 1. Under tensor or pipeline
+    parallelism this is the number of data-parallel replicas, not of GPUs."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise ValueError(f"--world-size {world_size!r}: the data-parallel size must be an integer >= 1; fix: pass "
+                         "the number of data-parallel ranks (GPUs / (tensor x pipeline parallel size))")
+    values = [ds_config.get(k) for k in BATCH_KEYS]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        return 1 if world_size is None else world_size  # DeepSpeed derives the missing ones, or names the bad one
+    train, micro, gas = values
+    per_rank = micro * gas
+    implied = train // per_rank if train % per_rank == 0 else None
+    triple = (f"train_micro_batch_size_per_gpu x gradient_accumulation_steps = {micro} x {gas} = {per_rank} "
+              "samples per data-parallel rank")
+    if world_size is None:
+        if implied is None:
+            raise ValueError(f"train_batch_size = {train} is not a multiple of {triple}, so no data-parallel size "
+                             "fits; fix: set train_batch_size to a multiple of it (train_batch_size = "
+                             f"{per_rank} x data-parallel ranks, e.g. {2 * per_rank} for 2), or remove "
+                             "train_batch_size and pass --world-size N")
+        return implied
+    if train != per_rank * world_size:
+        other = f", or check at --world-size {implied} (what these values imply)" if implied else ""
+        raise ValueError(f"train_batch_size = {train} does not match --world-size {world_size}: {triple}, times "
+                         f"{world_size} ranks is {per_rank * world_size}; fix: set train_batch_size to "
+                         f"{per_rank * world_size} for {world_size} data-parallel ranks{other}, or remove "
+                         "train_batch_size (DeepSpeed derives it)")
+    return world_size
+
+
+def deepspeed_config_at(ds_config: dict, world_size: int):
+    """DeepSpeed's own ``DeepSpeedConfig`` of ``ds_config`` parsed for ``world_size`` data-parallel
+    ranks, without a process group (its batch checks are those of a real run at that size)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class AtWorldSize(DeepSpeedConfig):
+        # DeepSpeedConfig.__init__ takes the data-parallel size from torch.distributed (or an mpu,
+        # which needs it too) and falls back to 1 without a process group; it reads it only after
+        # _initialize_params, in _configure_train_batch_size.
+        def _initialize_params(self, param_dict):
+            self.world_size = world_size
+            super()._initialize_params(param_dict)
+
+    ds = AtWorldSize(ds_config)
+    if ds.world_size != world_size:  # a DeepSpeed that reads it elsewhere: say so rather than check at 1
+        raise RuntimeError(f"could not check at data-parallel size {world_size}: this DeepSpeed's config parser "
+                           f"used {ds.world_size}")
+    return ds
+
+
 def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
     """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
     check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)

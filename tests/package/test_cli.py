@@ -1,4 +1,5 @@
-"""``python -m ds_acco``: ``check`` prints the resolved "acco" block or the errors (exit 2);
+"""``python -m ds_acco``: ``check`` prints the resolved "acco" block or the errors (exit 2), at the
+data-parallel size given (``--world-size``) or implied by the batch keys;
 ``ab`` / ``advise`` / ``cluster-test`` are forwarded to ``ds_acco.bench``."""
 from __future__ import annotations
 
@@ -18,11 +19,18 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 
 
-def run_check(tmp_path, config) -> tuple[int, str, str]:
+# Megatron-DeepSpeed's templates set all three batch keys: 32 = 4 x 4 x 2 data-parallel ranks.
+MEGATRON = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+            "steps_per_print": 10, "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+            "prescale_gradients": False, "bf16": {"enabled": True}, "wall_clock_breakdown": False,
+            "acco": {"enabled": True}}
+
+
+def run_check(tmp_path, config, world_size=None) -> tuple[int, str, str]:
     path = tmp_path / "ds.json"
     path.write_text(config if isinstance(config, str) else json.dumps(config))
     out, err = io.StringIO(), io.StringIO()
-    rc = cli.check(str(path), out=out, err=err)
+    rc = cli.check(str(path), out=out, err=err, world_size=world_size)
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -59,6 +67,48 @@ def test_check_errors_exit_2(tmp_path, config, needle):
     rc, out, err = run_check(tmp_path, config)
     assert rc == 2 and out == ""
     assert needle in err
+
+
+@pytest.mark.parametrize("world_size, how", [(None, "train_batch_size / ("), (2, "--world-size")])
+def test_check_multi_rank_config_at_its_data_parallel_size(tmp_path, world_size, how):
+    rc, out, err = run_check(tmp_path, MEGATRON, world_size)
+    assert rc == 0, err
+    assert json.loads(out)["acco"]["enabled"] is True
+    assert f"checked at data-parallel size 2 ({how}" in err
+
+
+def test_check_size_that_contradicts_the_batch_keys_fails_clearly(tmp_path):
+    rc, out, err = run_check(tmp_path, MEGATRON, world_size=3)
+    assert rc == 2 and out == ""
+    assert ("train_batch_size = 32 does not match --world-size 3: train_micro_batch_size_per_gpu x "
+            "gradient_accumulation_steps = 4 x 4 = 16 samples per data-parallel rank, times 3 ranks is 48; fix: set "
+            "train_batch_size to 48 for 3 data-parallel ranks, or check at --world-size 2") in err
+
+
+def test_check_batch_keys_that_fit_no_size_fail_clearly(tmp_path):
+    rc, out, err = run_check(tmp_path, {**MEGATRON, "train_batch_size": 30})
+    assert rc == 2 and out == ""
+    assert "train_batch_size = 30 is not a multiple of train_micro_batch_size_per_gpu x gradient_accumulation_steps" \
+        in err and "fix: set train_batch_size to a multiple of it" in err
+
+
+def test_check_world_size_reaches_deepspeeds_own_batch_checks(tmp_path):
+    """Two of the three keys: DeepSpeed derives the third at the given size (here gas = 32 / (4 x 2) = 4,
+    even, as mode acco needs; at size 4 it would be 2, at 8 it is 1 and refused)."""
+    two = {k: v for k, v in MEGATRON.items() if k != "gradient_accumulation_steps"}
+    assert run_check(tmp_path, two, world_size=2)[0] == 0
+    rc, _, err = run_check(tmp_path, two, world_size=8)
+    assert rc == 2 and "gradient_accumulation_steps = 1" in err
+
+
+def test_check_world_size_on_the_command_line(tmp_path, capsys):
+    path = tmp_path / "megatron.json"
+    path.write_text(json.dumps(MEGATRON))
+    assert cli.main(["check", str(path), "--world-size", "2"]) == 0
+    assert cli.main(["check", str(path), "--world-size", "3"]) == 2
+    assert "does not match --world-size 3" in capsys.readouterr().err
+    assert cli.main(["check", str(path), "--world-size", "0"]) == 2
+    assert "--world-size 0: the data-parallel size must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_check_missing_file(tmp_path):
