@@ -112,6 +112,19 @@ class AccoEngine(DeepSpeedEngine):
             return super().set_gradient_accumulation_boundary(is_boundary)
         self._acco_caller_boundary = bool(is_boundary)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's ``no_sync()``. ACCO owns gradient communication (it never reduces inside
+        ``backward``) and ends its phases at its own micro-batch counts, so for an ACCO engine this
+        context changes nothing: a micro-batch inside it is counted like any other. Accelerate's
+        ``accumulate()`` enters it on every micro-batch but the last of a step (ZeRO stage < 2),
+        and ACCO's ``step()`` runs inside it; DeepSpeed's own would refuse that step."""
+        if self._acco_driver() is None:
+            with super().no_sync():
+                yield
+            return
+        yield
+
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, weight=None):
         """DeepSpeed's backward. ``weight``: this micro-batch's sample or token count, required with
         ``acco.weighting`` 'sample' / 'token' (the loss must then be a sum over those units)."""
