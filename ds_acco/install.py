@@ -109,6 +109,9 @@ def _make_router(original: Callable) -> Callable:
         from .deepspeed.engine import initialize as acco_initialize  # imports deepspeed's engine
 
         bound = signature.bind(*args, **kwargs)  # ds_acco.initialize takes keywords after `model`
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.split(".")[0] == "accelerate":  # Accelerate, and HF Trainer through it
+            _refuse_dynamic_under_accelerate(bound.arguments, signature)
         _ROUTING.active = True
         try:
             out = acco_initialize(**bound.arguments)
@@ -161,6 +164,22 @@ def _patch_frameworks() -> None:
                 _patch(trainer, name, _on_committed_weights(getattr(trainer, name)))
 
 
+_DYNAMIC_UNDER_ACCELERATE = (
+    "acco.accumulation = 'dynamic' under Accelerate / HF Trainer: the Trainer counts one optimizer step "
+    "per gradient_accumulation_steps micro-batches (max_steps, save_steps, its LR schedule, checkpoint "
+    "names) while dynamic ACCO commits a step whenever a round finishes, so the two counts drift apart; "
+    "fix: use \"accumulation\": \"fixed\" with HF Trainer, or drive the engine yourself "
+    "(engine.backward + engine.step per micro-batch, loop on engine.global_steps)")
+
+
+def _refuse_dynamic_under_accelerate(arguments: dict, signature: inspect.Signature) -> None:
+    """Refused at ``initialize``, before any engine or banner exists (not at the first backward)."""
+    a = arguments
+    raw = load_ds_config(a.get("config") if a.get("config") is not None else a.get("config_params"), a.get("args"))
+    if acco_config_of(raw).accumulation == "dynamic":
+        raise ValueError(_DYNAMIC_UNDER_ACCELERATE)
+
+
 def _accelerate_backward(original: Callable) -> Callable:
     @functools.wraps(original)
     def backward(self, loss, sync_gradients=True, **kwargs):
@@ -169,12 +188,7 @@ def _accelerate_backward(original: Callable) -> Callable:
             return original(self, loss, sync_gradients=sync_gradients, **kwargs)
         config = getattr(engine, "_acco_config", None)
         if config is not None and config.accumulation == "dynamic":
-            raise ValueError(
-                "acco.accumulation = 'dynamic' under Accelerate / HF Trainer: the Trainer counts one optimizer step "
-                "per gradient_accumulation_steps micro-batches (max_steps, save_steps, its LR schedule, checkpoint "
-                "names) while dynamic ACCO commits a step whenever a round finishes, so the two counts drift apart; "
-                "fix: use \"accumulation\": \"fixed\" with HF Trainer, or drive the engine yourself "
-                "(engine.backward + engine.step per micro-batch, loop on engine.global_steps)")
+            raise ValueError(_DYNAMIC_UNDER_ACCELERATE)
         # ACCO decides its own phase ends from the micro-batches counted in engine.step();
         # Accelerate's sync_gradients (one optimizer step = A micro-batches) is not needed.
         if kwargs.pop("scale_wrt_gas", True) is False:

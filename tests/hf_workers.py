@@ -69,6 +69,13 @@ def accelerate_run(case: dict) -> dict:
     model = TinyNet(seed=0)
     opt = make_optimizer("adamw")(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + LR_LAMBDA_DECAY * s))
+    if case.get("expect_error"):
+        before = _acco_optimizers_built()
+        try:
+            accelerator.prepare(model, opt, sched)
+        except ValueError as exc:
+            return {"error": str(exc), "acco_optimizers_built": _acco_optimizers_built() - before}
+        return {"error": None}
     engine, opt, sched = accelerator.prepare(model, opt, sched)
     log = _gate(engine, case)
     losses, lrs = [], []
@@ -92,6 +99,12 @@ def accelerate_run(case: dict) -> dict:
            "num_processes": accelerator.num_processes}
     engine.destroy()
     return out
+
+
+def _acco_optimizers_built() -> int:
+    import gc
+    mod = sys.modules.get("ds_acco.deepspeed.optimizer")
+    return 0 if mod is None else sum(isinstance(o, mod.AccoZeroOptimizer) for o in gc.get_objects())
 
 
 def _reset_accelerate():

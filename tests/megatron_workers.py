@@ -53,8 +53,8 @@ def megatron_run(case: dict):
     model = TinyNet(seed=0)
     opt = make_optimizer("adamw")(model)
     sched = IncrementLR(opt)
-    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                         config=ds_config(gas, {"enabled": True, "mode": case["mode"]}))
+    acco = None if case["mode"] == "stock" else {"enabled": True, "mode": case["mode"]}
+    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(gas, acco))
     nan_at = [tuple(p) for p in case.get("nan_at", ())]
     counter = iter(range(10**9))
 
@@ -66,7 +66,7 @@ def megatron_run(case: dict):
             x[0, 0] = float("nan")
         return engine(x, y)
 
-    applied, steps, skipped, lrs, evals = [], [], [], [], []
+    applied, steps, skipped, lrs, evals, logged_lrs = [], [], [], [], [], []
     for it in range(iters):
         if case["protocol"] == "megatron":
             engine.set_gradient_accumulation_boundary(False)
@@ -83,11 +83,12 @@ def megatron_run(case: dict):
         steps.append(engine.global_steps)
         skipped.append(engine.skipped_steps)
         lrs.append(engine.get_lr()[0])
+        logged_lrs.append(engine.optimizer.param_groups[0]["lr"])  # what Megatron logs after step()
         if case.get("evaluate"):
             evals.append(_megatron_evaluate(engine, gas, rank))
-    final = _committed(engine)
+    final = _committed(engine) if acco else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     out = {"final": final, "applied": applied, "global_steps": steps, "skipped_steps": skipped, "lrs": lrs,
-           "sched_calls": sched.calls, "sched_consumed": sched.consumed, "evals": evals}
+           "sched_calls": sched.calls, "sched_consumed": sched.consumed, "evals": evals, "logged_lrs": logged_lrs}
     engine.destroy()
     if case.get("evaluate"):
         ds_acco.uninstall()

@@ -166,6 +166,7 @@ class AccoSchedule:
         self._inflight: Optional[_InFlight] = None
         self._swapped = False  # inside committed_weights: live and gathered exchanged
         self._closed = False
+        self.last_commit_grad_norm: Optional[float] = None  # the newest collected commit's (checkpointed)
         self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
         for g in self.groups:
             g.zero_grads()
@@ -331,6 +332,7 @@ class AccoSchedule:
             "micro_batches": self.micro_batches,
             "accumulated_loss_scale": self.accumulated_loss_scale,
             "drains": self.drains,
+            "last_commit_grad_norm": self.last_commit_grad_norm,
             "groups": [g.export_state(self._swapped) for g in self.groups],
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
@@ -360,6 +362,7 @@ class AccoSchedule:
         self.micro_batches = state["micro_batches"]
         self.accumulated_loss_scale = float(state["accumulated_loss_scale"])
         self.drains = int(state.get("drains", self.drains))  # the saving run's count: flags stay comparable
+        self.last_commit_grad_norm = state.get("last_commit_grad_norm")
         self._sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
         self._decision = None
         info = state["inflight"]
@@ -470,6 +473,7 @@ class AccoSchedule:
         if inflight.kind is RoundKind.COMMIT and not inflight.committed:
             inflight.committed = True
             self.committed_steps += 1
+            self.last_commit_grad_norm = inflight.result.grad_norm
             if self.on_commit is not None:
                 self.on_commit(inflight.result)  # may update the loss scaler
             self._sync_accumulated_loss_scale()

@@ -110,6 +110,8 @@ class AccoEngine(DeepSpeedEngine):
         answers. The caller's flag itself is advisory: the phase ends are ACCO's."""
         if self._acco_driver() is None:
             return super().set_gradient_accumulation_boundary(is_boundary)
+        if self._acco_config.accumulation == "dynamic":
+            raise ValueError(_DYNAMIC_CALLER_BOUNDARY)
         self._acco_caller_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
@@ -323,6 +325,8 @@ class AccoEngine(DeepSpeedEngine):
             try:
                 schedule.load_state_dict(state)
                 restored = True
+                # What get_global_grad_norm() answers until the next commit (HF logs it each step).
+                self._global_grad_norm = self.optimizer._global_grad_norm = schedule.last_commit_grad_norm
             except ValueError as exc:
                 logger.warning(f"{exc}; starting a fresh ACCO phase at the loaded weights")
         if not restored:
@@ -375,6 +379,30 @@ def _refuse_model_parallelism(model, mpu) -> None:
                              "model with stock ZeRO (disable acco)")
 
 
+_DYNAMIC_CALLER_BOUNDARY = (
+    "acco.accumulation = 'dynamic' with a caller that sets the accumulation boundary and calls step() once "
+    "per iteration (Megatron-DeepSpeed's train_step): the caller counts one optimizer step, one "
+    "lr_kwargs increment and one global batch per iteration, while dynamic ACCO commits a step whenever a "
+    "round finishes (twice per iteration, or more), so its LR schedule would run ahead of its iteration "
+    "count; fix: use \"accumulation\": \"fixed\" (the same batches and steps as stock), or drive the engine "
+    "with engine.backward + engine.step per micro-batch and loop on engine.global_steps")
+
+
+def _refuse_dynamic_under_megatron(acco: AccoConfig, mpu, lr_scheduler) -> None:
+    """Megatron-DeepSpeed passes its ``mpu`` (with --no-pipeline-parallel) and a scheduler stepped
+    with ``increment=``: refuse dynamic accumulation there, before any engine is built."""
+    if acco.accumulation != "dynamic":
+        return
+    import inspect
+    step = getattr(lr_scheduler, "step", None)
+    try:
+        increments = step is not None and "increment" in inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        increments = False
+    if mpu is not None or increments:
+        raise ValueError(_DYNAMIC_CALLER_BOUNDARY)
+
+
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
     """Same parameters and return value as ``deepspeed.initialize``.
 
@@ -389,6 +417,7 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
     acco = acco_config_of(raw)
     if acco.enabled:
         _refuse_model_parallelism(model, kwargs.get("mpu"))
+        _refuse_dynamic_under_megatron(acco, kwargs.get("mpu"), kwargs.get("lr_scheduler"))
     _check_same_on_all_ranks(acco, raw, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)

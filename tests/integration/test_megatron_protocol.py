@@ -23,6 +23,7 @@ for mode in ("acco", "dpu"):
                                           "evaluate": protocol == "megatron" and mode == "acco"}
         CASES[(mode, protocol, True)] = {"mode": mode, "gas": GAS, "iters": ITERS, "protocol": protocol,
                                          "nan_at": NAN[mode]}
+CASES[("stock", "megatron", False)] = {"mode": "stock", "gas": GAS, "iters": ITERS, "protocol": "megatron"}
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,30 @@ def test_evaluate_runs_on_committed_weights(runs):
             assert e["live_after"] == e["live"]  # train() put the live (estimate) weights back
         # once estimates exist the live weights differ from the committed ones
         assert any(e["live"] != e["committed"] for e in evals)
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_lr_megatron_logs_after_step_is_stocks(runs, mode):
+    """Megatron logs ``optimizer.param_groups[0]['lr']`` right after ``step()``: ACCO steps the
+    scheduler where stock does (when the commit is launched), not a phase later when it is
+    collected, so every iteration reads stock's value (iteration 1 included: not the initial one)."""
+    for rank_runs in runs:
+        stock = rank_runs[("stock", "megatron", False)]["logged_lrs"]
+        assert len(set(stock)) == ITERS  # the schedule moves every iteration: a lag would show
+        assert rank_runs[(mode, "megatron", False)]["logged_lrs"] == stock
+        assert rank_runs[(mode, "per_mb", False)]["logged_lrs"] == stock
+
+
+def test_dynamic_refused_at_initialize_under_megatron():
+    """Dynamic phases with Megatron's scheduler (step(increment=...)) or its mpu: refused before any
+    engine exists, naming the fix."""
+    import ds_acco
+    from fixtures import ds_config
+    from megatron_workers import IncrementLR
+
+    model = TinyNet(seed=0)
+    opt = make_optimizer("adamw")(model)
+    with pytest.raises(ValueError, match="accumulation.*dynamic.*fix: use .accumulation.: .fixed."):
+        ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=IncrementLR(opt),
+                           config=ds_config(GAS, {"enabled": True, "accumulation": "dynamic"}),
+                           dist_init_required=False)

@@ -33,6 +33,7 @@ ACC_CASES = {
     "async-again": {"acco": {}},
     "async-gated": {"acco": {}, "gated": True},
     "dpu-gated": {"acco": {}, "mode": "dpu", "gated": True},
+    "dynamic": {"acco": {"accumulation": "dynamic"}, "expect_error": True},
 }
 
 
@@ -92,6 +93,15 @@ def test_accelerate_async_equals_sync_bit_for_bit(accelerate_runs):
 def test_accelerate_lr_read_after_each_step_is_stocks(accelerate_runs):
     for rank_runs in accelerate_runs:
         assert rank_runs["async"]["lrs"] == rank_runs["stock"]["lrs"]
+
+
+def test_accelerate_refuses_dynamic_at_prepare(accelerate_runs):
+    """Refused inside deepspeed.initialize (the router), before an engine or its banner exists --
+    not at the first backward."""
+    for rank_runs in accelerate_runs:
+        run = rank_runs["dynamic"]
+        assert run["error"] and "'dynamic' under Accelerate / HF Trainer" in run["error"] and "fix:" in run["error"]
+        assert run["acco_optimizers_built"] == 0
 
 
 # -- HF Trainer --------------------------------------------------------------------------------
