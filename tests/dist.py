@@ -4,7 +4,7 @@ A port found free and bound later can be taken in between by any process on the 
 (EADDRINUSE under load, see shared/PLATFORM_NOTES.md). So nothing here picks a port for someone
 else to bind:
 
-- :func:`run_ranks` spawns N local ranks (gloo on 127.0.0.1) that run one function each. This
+- :func:`run_ranks` starts N local ranks (gloo on 127.0.0.1) that run one function each. This
   process binds the rendezvous store itself, on port 0, before any rank starts
   (:func:`rendezvous_store`); the ranks find it through MASTER_PORT and torch's
   ``TORCHELASTIC_USE_AGENT_STORE``, the way torchrun's workers find their agent's store, so
@@ -12,16 +12,24 @@ else to bind:
 - torchrun binds its own store on port 0 with :data:`TORCHRUN_RENDEZVOUS`.
 - The ``deepspeed`` launcher has no such mode (rank 0 binds ``--master_port``): :func:`launch`
   retries the whole launch on a fresh port when the ranks' output says the address was in use.
+
+Ranks are forked from a multiprocessing fork server that imported torch, DeepSpeed and ds_acco
+once (tests/rank_preload.py), not spawned as fresh interpreters that import them again (~8 s of
+CPU per rank, most of the suite's time on 2 cores). Each rank gets the caller's environment as it
+is at :func:`run_ranks`; only variables read once at interpreter start (glibc's MALLOC_*,
+GLIBC_TUNABLES, LD_*) cannot be set that way, so a caller that changed one gets spawned ranks.
 """
 from __future__ import annotations
 
 import contextlib
 import glob
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -38,6 +46,8 @@ HOST = "127.0.0.1"
 TORCHRUN_RENDEZVOUS = ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HOST}:0")
 LAUNCH_ATTEMPTS = 3  # a launch that lost its port to another process is retried this often in all
 _ADDRESS_IN_USE = ("address already in use", "eaddrinuse")
+_READ_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_")  # environment a forked rank cannot change
+_fork_server_env: dict | None = None  # the environment the fork server was started with
 
 
 @contextlib.contextmanager
@@ -107,7 +117,36 @@ def clear_stale_build_locks() -> None:
         prebuild.clear_stale_locks(root, log=lambda line: print(line, flush=True))
 
 
-def _entry(rank, world, store_env, fn, kwargs, out):
+def _read_at_start(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
+
+
+def _context():
+    """The fork server (preloaded, started on first use), or spawn when the caller's environment
+    differs from the server's in a variable only a fresh interpreter reads."""
+    global _fork_server_env
+    if _fork_server_env is None:
+        mp.get_context("forkserver").set_forkserver_preload(["rank_preload"])
+        # Python 3.11's fork server is handed our sys.path but does not apply it before the preload
+        # (tests/ is on it only through pytest.ini): give it the path through PYTHONPATH instead.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        _fork_server_env = dict(os.environ)
+    if _read_at_start(dict(os.environ)) != _read_at_start(_fork_server_env):
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
+
+def _entry(rank, world, env, store_env, fn, kwargs, out):
+    os.environ.clear()  # the caller's environment, not the one the fork server started with
+    os.environ.update(env)
     os.environ.update(store_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
                       DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -132,11 +171,13 @@ def run_ranks(fn, world: int = 2, timeout: float = None, allow_missing: bool = F
     """
     if timeout is None:
         timeout = scaled(100)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp, rendezvous_store(world) as store_env:
         port = store_env["MASTER_PORT"]
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=_entry, args=(r, world, store_env, fn, kwargs, outs[r])) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, env, store_env, fn, kwargs, outs[r]))
+                 for r in range(world)]
         for p in procs:
             p.start()
         # One deadline for all ranks. Once a rank has failed, the others get a grace period only:

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from dist import (LAUNCH_ATTEMPTS, TORCHRUN_RENDEZVOUS, address_in_use, clear_stale_build_locks, communicate, launch,
-                  rendezvous_store)
+                  rendezvous_store, run_ranks)
 from timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -316,3 +316,25 @@ def test_rendezvous_store_holds_its_port_before_any_rank_starts():
         one = start([sys.executable, "-c", code], base_env(**env, RANK="0", WORLD_SIZE="1"))
         out, timed_out = communicate(one, scaled(60))
         assert (one.returncode, timed_out, out.strip().splitlines()[-1:]) == (0, False, ["1 0"]), out
+
+
+# -- run_ranks: ranks forked from a preloaded server, with the caller's environment -----------------
+def _rank_facts():
+    return {"probe": os.environ.get("ACCO_TEST_PROBE"), "ppid": os.getppid(),
+            "preloaded": "deepspeed.runtime.engine" in sys.modules and "ds_acco.deepspeed" in sys.modules}
+
+
+def test_ranks_start_preloaded_with_the_callers_environment(monkeypatch):
+    run_ranks(_rank_facts)  # the fork server is running from here on
+    monkeypatch.setenv("ACCO_TEST_PROBE", "set after the fork server started")
+    facts = run_ranks(_rank_facts)
+    assert [f["probe"] for f in facts] == ["set after the fork server started"] * WORLD
+    # forked from the server that imported DeepSpeed and ds_acco once (tests/rank_preload.py)
+    assert all(f["preloaded"] and f["ppid"] != os.getpid() for f in facts), facts
+
+
+def test_a_variable_read_at_interpreter_start_gets_fresh_ranks(monkeypatch):
+    run_ranks(_rank_facts)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # glibc reads it once, at process start
+    facts = run_ranks(_rank_facts)
+    assert all(f["ppid"] == os.getpid() and not f["preloaded"] for f in facts), facts  # spawned by us
