@@ -64,3 +64,27 @@ def drain_run(case, total, drain_every, save_every=0, save_dir=None, resume_dir=
     faulthandler.cancel_dump_traceback_later()
     return {"losses": losses, "points": points, "positions": positions, "final": final, "global_steps": steps,
             "reasons": reasons}
+
+
+def extra_drain_run(case, total, extra_at):
+    """Rank 0 alone reads the committed weights once more, after micro-batch ``extra_at``; both ranks
+    then train on. Returns where and how each rank stopped."""
+    from ds_acco.core.rounds import DrainMismatchError
+    rank = int(os.environ["RANK"])
+    engine = _engine_for(case)
+    if case.get("every"):
+        engine.optimizer.schedule.phases = EveryN(case["every"][rank])
+    stopped, error = None, None
+    try:
+        for i in range(total):
+            engine.backward(engine(*batch(rank, i)))
+            engine.step()
+            if i == extra_at and rank == 0:
+                with ds_acco.committed_weights(engine):
+                    pass
+    except DrainMismatchError as exc:
+        stopped, error = i, str(exc)
+    except Exception as exc:  # noqa: BLE001 -- reported, so the test says what happened instead
+        stopped, error = i, f"{type(exc).__name__}: {exc}"
+    engine.optimizer.driver.abandon()  # the ranks no longer agree: let go without a drain
+    return {"stopped": stopped, "error": error}

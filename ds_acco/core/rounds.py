@@ -36,8 +36,18 @@ class RoundKind(str, enum.Enum):
     COMMIT = "commit"
 
 
-REPORT_SIZE = 6  # floats each rank may send along with a round (metrics, a stop request, a drain)
-DRAIN_FIELD = REPORT_SIZE - 1  # the schedule's own field (dynamic mode): the drain a rank is in, else 0
+REPORT_SIZE = 7  # floats each rank may send along with a round (metrics, a stop request, a drain)
+# The schedule's own fields (dynamic mode), last: the drain a rank is in (its number, 0 outside a
+# drain, DRAIN_ABORT for "the ranks drained different numbers of times") and its micro-batch count then.
+DRAIN_AT_FIELD = REPORT_SIZE - 2
+DRAIN_FIELD = REPORT_SIZE - 1
+DRAIN_ABORT = -1.0
+
+
+class DrainMismatchError(Exception):
+    """Dynamic mode: the ranks did not drain (``committed_weights``, a checkpoint) at the same
+    points, so they cannot agree on which rounds to finish. Raised on every rank within one round.
+    Not a RuntimeError: the lane reports it as it is, not as a failed collective."""
 
 
 @dataclass
@@ -114,6 +124,8 @@ class RoundContext:
 def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
     """Every rank's counts and report in one small all-gather: (per-rank tallies, (world, k) reports)."""
     device = ctx.groups[0].comm.device
+    if len(report) > REPORT_SIZE:  # never truncate: a dropped field would be a silent protocol change
+        raise ValueError(f"a round's report has {len(report)} floats, at most {REPORT_SIZE} travel")
     mine = torch.zeros(2 + REPORT_SIZE, dtype=torch.float64, device=device)
     mine[0], mine[1] = local.micro_batches, local.weight
     mine[2:2 + len(report)] = torch.tensor(list(report)[:REPORT_SIZE], dtype=torch.float64)
@@ -121,6 +133,17 @@ def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
     collectives.gather_shards(mine, table, ctx.process_group)
     table = table.view(ctx.world, -1).cpu()
     return [Tally(int(row[0]), float(row[1])) for row in table], table[:, 2:]
+
+
+def check_no_drain_abort(reports: torch.Tensor) -> None:
+    """Raise :class:`DrainMismatchError` when a rank filled this slot to report that the ranks'
+    drains do not pair up (its own error says which); every rank then stops at this slot."""
+    if reports.shape[1] > DRAIN_FIELD and bool((reports[:, DRAIN_FIELD] == DRAIN_ABORT).any()):
+        ranks = [r for r in range(reports.shape[0]) if float(reports[r, DRAIN_FIELD]) == DRAIN_ABORT]
+        raise DrainMismatchError(
+            f"ACCO dynamic mode: rank(s) {ranks} found that the ranks drained (committed_weights, "
+            "save_checkpoint, evaluation) a different number of times -- see that rank's error; fix: drain on "
+            "every rank at the same micro-batch count (not on rank 0 only, not on a per-rank condition)")
 
 
 def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom: float) -> List[List[torch.Tensor]]:
@@ -165,6 +188,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
     started = time.perf_counter()
     with record_function(f"ACCO::{kind.value}_round"):
         per_rank, reports = exchanged if exchanged is not None else exchange_tallies(ctx, local, report)
+        check_no_drain_abort(reports)
         weight = sum(t.weight for t in per_rank)
         if weight <= 0:
             raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "

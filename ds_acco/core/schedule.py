@@ -25,6 +25,11 @@ the j-th ``drain()`` call of every rank (d = j) agrees on the slots as follows:
   3. outside a drain, a rank that collects a round carrying a peer's flag for its own next
      drain (the peer drains first) does not end its phase -- it keeps accumulating, past the
      maximum if need be -- until its drain, where step 1 finds that round.
+  4. drains happen at the same micro-batch count on every rank (a caller's step boundary), and
+     each flag travels with the drainer's count. A rank still holding its phase open for a
+     peer's drain at a micro-batch past that count has missed the drain: the ranks drained a
+     different number of times. It fills the next slot with DRAIN_ABORT (the peer waits there)
+     and every rank raises DrainMismatchError at that slot, instead of waiting comm_timeout_s.
 No deadlock: a rank launches round n+1 only after collecting round n, which needs every rank
 to have filled slot n, so ranks are at most one slot apart; the first rank to probe for drain
 d does so at slot P after collecting slot P-1, so no rank can have filled P+1 (that needs slot
@@ -50,7 +55,8 @@ from ..comm import collectives
 from ..comm.lane import CommLane, RoundHandle
 from .buffers import BufferGroup
 from .phases import FixedPhases, PhaseKind, PhaseRecord, Tally
-from .rounds import DRAIN_FIELD, REPORT_SIZE, RoundContext, RoundKind, RoundResult, exchange_tallies, run_round
+from .rounds import (DRAIN_ABORT, DRAIN_AT_FIELD, DRAIN_FIELD, REPORT_SIZE, DrainMismatchError, RoundContext,
+                     RoundKind, RoundResult, check_no_drain_abort, exchange_tallies, run_round)
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,7 @@ class AccoSchedule:
     def decide_phase_end(self) -> bool:
         """Decide, once per micro-batch, whether the phase ends with it (later calls agree)."""
         if self._decision is None or self._decision[0] != self.micro_batches:
+            self._check_drains_pair_up()
             why = self._why_phase_ends()
             inflight = self._inflight
             if why is not None and self.agrees_drains and inflight is not None:
@@ -191,6 +198,7 @@ class AccoSchedule:
                 inflight.wait_mark = inflight.wait_s
                 self._wait(inflight)
                 if self._peer_draining():
+                    self._check_drains_pair_up()
                     why, inflight.wait_mark = None, None
             self._decision = (self.micro_batches, why)
         return self._decision[1] is not None
@@ -212,6 +220,30 @@ class AccoSchedule:
         inflight = self._inflight
         return (inflight is not None and inflight.result is not None
                 and _flagged(inflight.result, self.drains + 1))
+
+    def _check_drains_pair_up(self) -> None:
+        """Module docstring, step 4: raise on every rank if a peer's drain was missed here."""
+        if not (self.agrees_drains and self._peer_draining()):
+            return
+        reports = self._inflight.result.peer_report
+        flagged = reports[:, DRAIN_FIELD] == self.drains + 1
+        at = int(reports[flagged, DRAIN_AT_FIELD].max())
+        if self.micro_batches < at:
+            return  # this rank's own drain is still ahead (at micro-batch ``at``)
+        ranks = [r for r in range(reports.shape[0]) if bool(flagged[r])]
+        message = (f"ACCO dynamic mode: rank(s) {ranks} drained (committed_weights, save_checkpoint, evaluation) "
+                   f"for the {self.drains + 1}th time after micro-batch {at}; this rank (rank {self.rank}) has "
+                   f"drained {self.drains} times and is at micro-batch {self.micro_batches}, so the ranks drained a "
+                   "different number of times and cannot agree on which rounds to finish; fix: drain on every rank "
+                   "at the same micro-batch count (not on rank 0 only, not on a per-rank condition)")
+        ctx, report = self.context, self._report(0)
+        report[DRAIN_FIELD] = DRAIN_ABORT
+        abort = self.lane.submit("drain mismatch", lambda: exchange_tallies(ctx, Tally(), report))
+        try:
+            self.lane.wait(abort)  # the peer waits in this slot: it learns it there
+        except Exception:  # noqa: BLE001 -- a failing peer: the mismatch is still what this rank reports
+            pass
+        raise DrainMismatchError(message)
 
     def before_backward(self) -> None:
         """Before each backward pass: a loss scale set from outside (e.g. ``override_loss_scale``)
@@ -282,6 +314,7 @@ class AccoSchedule:
             ctx = self.context
             probe = self.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
             per_rank, reports = self.lane.wait(probe)
+            check_no_drain_abort(reports)
             if bool((reports[:, DRAIN_FIELD] == drain).all()):
                 return None if inflight is None else inflight.result  # nobody launched a round there
             self.end_phase(exchanged=(per_rank, reports), reason="drain")
@@ -426,11 +459,12 @@ class AccoSchedule:
         """The floats sent with a round or a probe; in dynamic mode the drain flag rides last."""
         report = list(self.report()) if self.report is not None else []
         if self.agrees_drains:
-            if len(report) > DRAIN_FIELD:
-                raise ValueError(f"report of {len(report)} floats: dynamic mode keeps field {DRAIN_FIELD} "
-                                 "for the drain flag")
+            if len(report) > DRAIN_AT_FIELD:
+                raise ValueError(f"report of {len(report)} floats: dynamic mode keeps fields {DRAIN_AT_FIELD} and "
+                                 f"{DRAIN_FIELD} for the drain flag")
             report = report + [0.0] * (REPORT_SIZE - len(report))
             report[DRAIN_FIELD] = float(drain)
+            report[DRAIN_AT_FIELD] = float(self.micro_batches if drain else 0)
         return report
 
     def _launch(self, kind: RoundKind, clear_grads: bool, exchanged: Optional[tuple] = None) -> None:

@@ -67,3 +67,24 @@ def test_resume_from_a_drain_with_ranks_apart_is_bit_identical(deterministic):
         assert all(torch.equal(got["final"][n], t) for n, t in want["final"].items())
         assert got["global_steps"] == want["global_steps"]
         assert [p[:2] for p in got["points"]] == [p[:2] for p in want["points"] if p[0] > SAVE_AT]
+
+
+@pytest.mark.parametrize("every", [[2, 3], [3, 2]])
+def test_a_rank_that_drains_once_more_gets_a_clear_error_on_every_rank(every):
+    """Rank 0 alone calls committed_weights once (a per-rank condition). Before, its peer kept its
+    phase open for that drain forever and rank 0 waited comm_timeout_s (30 min by default) in its
+    next round. Now the peer, past the drainer's micro-batch, reports it in the next slot and both
+    ranks raise DrainMismatchError within about one round -- not a CommTimeoutError."""
+    acco = {**ACCO, "comm_timeout_s": 100}  # a wait for the timeout would end the test on the wrong error
+    case = {"optimizer": "adamw", "acco": acco, "every": every}
+    extra_at = 7
+    r0, r1 = run_ranks(drain_workers.extra_drain_run, case=case, total=60, extra_at=extra_at, timeout=TIMEOUT)
+    for rank, r in enumerate((r0, r1)):
+        assert r["error"] is not None, f"rank {rank} trained on: the mismatch went unnoticed"
+        assert "drained" in r["error"] and "fix:" in r["error"], r["error"]
+        assert not r["error"].startswith(("CommTimeoutError", "CommRoundError")), r["error"]
+        # Within about one round: the holder raises at its first decision after collecting the
+        # flagged round, the drainer when it collects the next one. Counted in micro-batches, with
+        # phases of 2 and 3 the slower-counting rank reaches the drainer's slot up to a few phases later.
+        assert r["stopped"] <= extra_at + 4 * max(every), r
+    assert "rank(s) [0]" in r1["error"] and "drained 0 times" in r1["error"], r1["error"]
