@@ -499,6 +499,7 @@ def test_cli_says_root_is_needed(monkeypatch, capsys):
 # -- the emulated cluster (root only) ---------------------------------------------------------------
 @pytest.mark.skipif(not cluster.is_root(), reason="the emulated cluster needs root (network namespaces, veth "
                     "pairs, tc); CI runs as root")
+@pytest.mark.slow
 def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
     """Two nodes at 100 Mbit/s: gloo works over eth0, there is no default route, the measured
     all-reduce bandwidth obeys the shaping, an A/B run on a tiny model completes, and every

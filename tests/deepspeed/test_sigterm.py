@@ -36,7 +36,7 @@ def test_sigterm_stops_all_ranks_with_an_exact_checkpoint(tmp_path):
 def test_fsdp_sigterm_stops_all_ranks_and_chains_the_previous_handler():
     import sigterm_workers
     case = {"optimizer": "adamw", "gas": 4, "acco": {"enabled": True, "mode": "acco", "sigterm": "stop"}}
-    out = run_ranks(sigterm_workers.fsdp_sigterm_run, case=case, signal_rank=1, signal_at=9, total=TOTAL, timeout=240)
+    out = run_ranks(sigterm_workers.fsdp_sigterm_run, case=case, signal_rank=1, signal_at=9, total=TOTAL, timeout=scaled(80))
     assert all(r["stopped"] and r["code"] == 143 for r in out), out
     assert out[0]["done"] == out[1]["done"] < TOTAL - 1
     assert out[0]["global_steps"] == out[1]["global_steps"]

@@ -17,6 +17,7 @@ MICRO_BATCHES, SAMPLE_EVERY = 161, 20  # samples every 20 micro-batches: a multi
 RSS_THRESHOLD_MB = 6.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["acco"])
 def test_long_run_does_not_grow(mode, monkeypatch):
     model_mb = sum(p.numel() * p.element_size() for p in WideNet().parameters()) / 2**20

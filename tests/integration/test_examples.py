@@ -14,6 +14,7 @@ from timeouts import scaled
 from dist import communicate
 from test_launchers import REPO, base_env, run_deepspeed, start, tail, torchrun_cmd
 
+pytestmark = pytest.mark.slow  # whole examples under the deepspeed launcher and torchrun
 TIMEOUT_S = scaled(80)  # per example run; see tests/timeouts.py
 EXAMPLES = REPO / "examples"
 

@@ -202,12 +202,14 @@ def reference() -> dict:
     return parse_result("reference run (no launcher)", cmd, combined, rc, timed_out)
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher(reference, tmp_path):
     # never /job/hostfile (DeepSpeed's default, which would mean a multi-node ssh launch)
     cmd, out, rc, timed_out = run_deepspeed(["--hostfile", str(tmp_path / "no-hostfile"), *smoke_args()], base_env())
     check_against_reference("deepspeed", parse_result("deepspeed", cmd, out, rc, timed_out), reference)
 
 
+@pytest.mark.slow
 def test_torchrun(reference):
     cmd = torchrun_cmd(*smoke_args())
     check_against_reference("torchrun", run_job("torchrun", cmd, base_env()), reference)
@@ -227,6 +229,7 @@ def _mpi_problem() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_mpirun(request):
     problem = _mpi_problem()
     if problem is not None:
@@ -334,7 +337,7 @@ def test_ranks_start_preloaded_with_the_callers_environment(monkeypatch):
 
 
 def test_a_variable_read_at_interpreter_start_gets_fresh_ranks(monkeypatch):
-    run_ranks(_rank_facts)
+    run_ranks(_rank_facts, world=1)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # glibc reads it once, at process start
-    facts = run_ranks(_rank_facts)
+    facts = run_ranks(_rank_facts, world=1)  # one fresh interpreter is enough to tell
     assert all(f["ppid"] == os.getpid() and not f["preloaded"] for f in facts), facts  # spawned by us

@@ -12,6 +12,7 @@ import pytest
 from dist import communicate
 from test_launchers import TIMEOUT_S, WORLD, base_env, run_deepspeed, start, tail, torchrun_cmd
 
+pytestmark = pytest.mark.slow  # whole jobs under torchrun and the deepspeed launcher
 SCRIPT = "tests/launch/plain_ds_script.py"
 TAG = "PLAIN_RESULT "
 BANNER = "ACCO is on (DeepSpeed ZeRO-1): mode=acco, 2 micro-batches per phase (gradient_accumulation_steps=4)"

@@ -105,6 +105,7 @@ def _inside(path, folder) -> bool:
     return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))  # venv/bin/python is a link: no realpath
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_wheel_tooling()), reason=_wheel_tooling() or "ok")
 def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     assert not _inside(tmp_path, REPO)
