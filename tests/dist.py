@@ -16,8 +16,8 @@ else to bind:
 Ranks are forked from a multiprocessing fork server that imported torch, DeepSpeed and ds_acco
 once (tests/rank_preload.py), not spawned as fresh interpreters that import them again (~8 s of
 CPU per rank, most of the suite's time on 2 cores). Each rank gets the caller's environment as it
-is at :func:`run_ranks`; only variables read once at interpreter start (glibc's MALLOC_*,
-GLIBC_TUNABLES, LD_*) cannot be set that way, so a caller that changed one gets spawned ranks.
+is at :func:`run_ranks`; only variables read once at interpreter start (glibc's MALLOC_*, LD_*,
+PYTHON*, DS_ACCO_INSTALL) cannot be set that way, so a caller that changed one gets spawned ranks.
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ HOST = "127.0.0.1"
 TORCHRUN_RENDEZVOUS = ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HOST}:0")
 LAUNCH_ATTEMPTS = 3  # a launch that lost its port to another process is retried this often in all
 _ADDRESS_IN_USE = ("address already in use", "eaddrinuse")
-_READ_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_")  # environment a forked rank cannot change
+# Environment read once at interpreter start (glibc's malloc, the loader, Python itself, our .pth
+# hook), which a forked rank cannot change: a caller that changed any of it gets spawned ranks.
+_READ_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON", "DS_ACCO_INSTALL")
 _fork_server_env: dict | None = None  # the environment the fork server was started with
 
 
