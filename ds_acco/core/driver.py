@@ -15,8 +15,10 @@ buffer groups and its calls into this driver's; everything else is here, once:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
+import functools
 import json
 import logging
 import signal
@@ -141,6 +143,10 @@ class AccoDriver:
         self._abandoned = False
         self._previous_sigterm = None
         self._stop_save: Optional[Callable[[str], None]] = None
+        # A script that ends (returns, raises, Ctrl-C) without destroy(), as most DeepSpeed scripts
+        # do: finish the round in flight before the interpreter tears down (see _close_at_exit).
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         if dist.get_rank() == 0:
             (announce or self.log)(self.banner(framework))
 
@@ -290,6 +296,7 @@ class AccoDriver:
 
     def close(self) -> None:
         """Drain, stop the lane and give SIGTERM back to the handler before ours."""
+        atexit.unregister(self._at_exit)
         if self._abandoned:
             return
         try:
@@ -317,6 +324,7 @@ class AccoDriver:
         if self._abandoned:
             return
         self._abandoned = True
+        atexit.unregister(self._at_exit)
         self.schedule.abandon()
         self._uninstall_sigterm()
         pg, self.process_group = self.process_group, None
@@ -401,6 +409,51 @@ class _LRBookkeeping:
             return None
         from .functional_step import capture_settings
         return attrs, capture_settings(self._optimizer())
+
+
+def _close_at_exit(ref: "weakref.ref[AccoDriver]") -> None:
+    """At interpreter exit, an engine nobody destroyed: its last round is finished on every rank.
+
+    Without this, a round still in flight on the lane's (daemon) thread is inside a gloo/NCCL
+    collective while the interpreter finalises, and the C++ runtime aborts the process
+    (``terminate called without an active exception``, SIGABRT): a script that ended normally
+    reported failure, and a real error's exit status was lost. Every rank runs this at its exit,
+    as the same script ends the same way on every rank: fixed mode waits for the round in flight
+    (every rank launched it: same micro-batch counts), dynamic mode runs its drain protocol
+    (``schedule.py``: the j-th drain of every rank finishes the same rounds). Nothing is saved or
+    written: the finished commit only updates this process's memory. Bounded by
+    ``comm_timeout_s``; a peer already gone fails the collective at once (its sockets close),
+    and then the round is dropped here with one line on stderr. Registered per driver with a weak
+    reference, unregistered by ``close()`` / ``abandon()``; runs before torch's own teardown
+    (atexit handlers run in reverse order of registration)."""
+    import sys
+    driver = ref()
+    if driver is None or driver.abandoned:
+        return
+    try:
+        driver.close()
+    except BaseException as exc:  # noqa: BLE001 -- at exit: never replace the program's own outcome
+        print(f"ds_acco: at exit, the communication round in flight could not be finished ({type(exc).__name__}: "
+              f"{exc}); it is dropped", file=sys.stderr, flush=True)
+        driver.abandon()
+    finally:
+        if getattr(sys, "last_type", None) is KeyboardInterrupt:
+            _rearm_sigint_exit()
+
+
+def _rearm_sigint_exit() -> None:
+    """Keep Ctrl-C's exit status (killed by SIGINT, as stock) after the drain above.
+
+    CPython ends a program whose KeyboardInterrupt went unhandled by killing itself with SIGINT,
+    but only while a flag it set at that moment is still set, and every ``exec`` / ``eval`` of a
+    *string* clears it (``run_eval_code_obj``) -- e.g. a dataclass or namedtuple that torch builds
+    lazily while the drain runs the FSDP2 round: the process then exited 1 instead of -2. The
+    flag is set again the only way Python code can: by evaluating a string that raises
+    KeyboardInterrupt."""
+    try:
+        exec("raise KeyboardInterrupt")  # noqa: S102 -- a constant string, for the flag it sets
+    except KeyboardInterrupt:
+        pass
 
 
 def _destroy_group(pg) -> None:
