@@ -69,10 +69,12 @@ def test_boundaries_report_phase_ends(runs):
 
 
 def test_lr_advances_once_per_commit(runs):
-    # LambdaLR(1 / (1 + 0.5 s)) from 0.02: read after each micro-batch.
+    # LambdaLR(1 / (1 + 0.5 s)) from 0.02, read after each micro-batch: it advances right after the
+    # step() that launched a commit (every GAS micro-batches), where stock advances it -- not a phase
+    # later, when the commit is collected (the rounds captured their learning rate at launch).
     lrs = runs["acco"]["lrs"]
-    commits_after = [(i + 1 - GAS // 2) // GAS if i + 1 >= GAS + GAS // 2 else 0 for i in range(GAS * STEPS)]
-    assert lrs == pytest.approx([0.02 / (1 + 0.5 * c) for c in commits_after])
+    launched_after = [(i + 1) // GAS for i in range(GAS * STEPS)]
+    assert lrs == pytest.approx([0.02 / (1 + 0.5 * c) for c in launched_after])
 
 
 @pytest.mark.parametrize("mode,probes", [("acco", "acco-probed"), ("dpu", "dpu-probed")])
