@@ -1,0 +1,138 @@
+"""A script that ends, fails or is interrupted *without* ``destroy()`` exits as it does with stock
+DeepSpeed: the same exit code, no abort, the user's traceback once, no hang.
+
+Before, an ACCO run ended with ``terminate called without an active exception`` (SIGABRT, exit
+-6) whenever a round was still in flight on the lane's daemon thread at interpreter exit: that
+thread sat inside a gloo collective while the interpreter finalised. Now each driver registers an
+``atexit`` hook that finishes the round in flight on every rank (fixed mode: the round every rank
+launched; dynamic: the drain protocol) before the interpreter tears down.
+
+Each case runs as its own pair of processes (tests/launch/exit_forker.py forks them from a parent
+that imported torch and DeepSpeed once, so repetitions are cheap); the cases that leave a round in
+flight run :data:`REPEATS` times: an exit race would show in some repetitions only.
+
+Mutations that fail here: no ``atexit`` hook in ``AccoDriver`` (every ACCO case that ends with a
+round in flight aborts, exit -6); no ``_rearm_sigint_exit`` (FSDP2 + Ctrl-C exits 1, not -2).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist import rendezvous_store
+
+# Whole jobs: ~2 s per case on 2 idle cores; the full suite (CI) runs them, the quick loop does not.
+pytestmark = pytest.mark.slow
+from timeouts import scaled
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FORKER = os.path.join(os.path.dirname(HERE), "launch", "exit_forker.py")
+WORLD = 2
+REPEATS = 5  # each racy case, in all (every other case runs once)
+FIXED = {"enabled": True}
+DYNAMIC = {"enabled": True, "accumulation": "dynamic",
+           "dynamic": {"min_micro_batches": 1, "max_micro_batches": 4, "check_every": 1}}
+# What stock gives (stock DeepSpeed ZeRO-1, plain FSDP2): a return, an exception, a
+# KeyboardInterrupt (Python kills itself with SIGINT at exit), SIGTERM's default action. Every ACCO
+# case is also compared with the stock run of its own adapter.
+_STOCK = {"return": 0, "never": 0, "raise": 1, "sigint": -2, "sigterm": -15}
+STOCK_CODE = {"deepspeed": _STOCK, "fsdp": _STOCK}
+
+
+def _cases():
+    """Stock (the baseline of each adapter) and ACCO, fixed and dynamic, for each ending. SIGTERM's
+    default action kills before any Python runs (stock and ACCO alike): once per adapter."""
+    cases = []
+    for adapter in ("deepspeed", "fsdp"):
+        for ending in ("return", "raise", "sigint"):
+            cases.append((adapter, "stock", ending))
+        for mode in ("fixed", "dynamic"):
+            for ending in ("return", "raise", "sigint", "never"):
+                cases.append((adapter, mode, ending))
+        cases.append((adapter, "fixed", "sigterm"))
+    return cases
+
+
+CASES = _cases()
+
+
+def _run(tmp_path_factory, cases, repeats):
+    """Every case ``repeats`` times, each a fresh pair of processes: {(adapter, mode, ending, rep):
+    [(exit code, log) per rank]}."""
+    out = tmp_path_factory.mktemp("exit")
+    spec, keys = [], []
+    with contextlib.ExitStack() as stack:
+        for rep in range(repeats):
+            for adapter, mode, ending in cases:
+                env = stack.enter_context(rendezvous_store(WORLD))
+                acco = {"stock": None, "fixed": FIXED, "dynamic": DYNAMIC}[mode]
+                spec.append({"adapter": adapter, "acco": acco, "ending": ending, "port": int(env["MASTER_PORT"]),
+                             "deadline_s": scaled(60)})
+                keys.append((adapter, mode, ending, rep))
+        path = out / "cases.json"
+        path.write_text(json.dumps(spec))
+        # No thread pools in the parent that forks the cases (OpenBLAS starts one at import).
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "MKL_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, FORKER, str(r), str(WORLD), str(path), str(out)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for r in range(WORLD)]
+        codes = []
+        for p in procs:
+            try:
+                stdout, _ = p.communicate(timeout=scaled(60) * len(spec) + 60)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    os.killpg(q.pid, 9)
+                raise AssertionError(f"the exit cases did not finish in time: an exit hangs (logs in {out})") from None
+            assert p.returncode == 0, stdout[-3000:]
+            codes.append(json.loads(stdout.strip().splitlines()[-1]))
+    return {key: [(codes[r][k], (out / f"{k}-{r}.log").read_text()) for r in range(WORLD)]
+            for k, key in enumerate(keys)}
+
+
+@pytest.fixture(scope="module")
+def exits(tmp_path_factory):
+    return _run(tmp_path_factory, CASES, 1)
+
+
+def check(exits, stock, adapter, mode, ending, rep):
+    for rank, (code, log) in enumerate(exits[(adapter, mode, ending, rep)]):
+        where = f"{adapter} {mode} {ending}, repetition {rep}, rank {rank}: exit {code}\n{log[-2500:]}"
+        assert "terminate called" not in log and "Fatal Python error" not in log, where
+        assert code == STOCK_CODE[adapter][ending], where
+        if (adapter, "stock", ending, 0) in stock:
+            stock_code, _ = stock[(adapter, "stock", ending, 0)][rank]
+            assert code == stock_code, where
+        if ending != "sigterm":  # SIGTERM's default action ends the process before Python runs
+            assert "built" in log, where
+        if ending == "raise":
+            assert log.count("Traceback (most recent call last)") == 1, where
+            assert "ValueError: user error after training" in log, where
+        if ending == "sigint":
+            assert log.count("KeyboardInterrupt") == 1, where
+        if ending in ("return", "never"):
+            assert "Traceback" not in log and "could not be finished" not in log, where
+
+
+@pytest.mark.parametrize("adapter,mode,ending", CASES, ids=["-".join(c) for c in CASES])
+def test_exits_like_stock(exits, adapter, mode, ending):
+    check(exits, exits, adapter, mode, ending, 0)
+
+
+# An exit race shows in some repetitions only: the endings that leave a round in flight, again
+# (both adapters, both modes; FSDP2's endings besides Ctrl-C go through the same hook as DeepSpeed's).
+RACY = [c for c in CASES if c[1] != "stock" and (c[2] == "sigint" or (c[1], c[2]) == ("fixed", "return")
+                                                 or (c[0], c[1], c[2]) == ("deepspeed", "dynamic", "return"))]
+
+
+def test_exits_like_stock_repeatedly(exits, tmp_path_factory):
+    again = _run(tmp_path_factory, RACY, REPEATS - 1)
+    for adapter, mode, ending in RACY:
+        for rep in range(REPEATS - 1):
+            check(again, exits, adapter, mode, ending, rep)
