@@ -143,6 +143,7 @@ def _trainer_reference(mode, seen):
     return {n[len("m."):]: v for n, v in ref.items()}
 
 
+@pytest.mark.slow  # five Trainer runs (~25 s); the Accelerate cases above stay in the quick loop
 def test_trainer_matches_reference(trainer_runs):
     seen = [trainer_runs[r]["stock"]["seen"] for r in range(2)]
     assert len(seen[0]) == GAS * STEPS
@@ -160,6 +161,7 @@ def test_trainer_matches_reference(trainer_runs):
         assert dist["acco"] < 5e-5, dist
 
 
+@pytest.mark.slow
 def test_trainer_async_equals_sync_and_is_reproducible(trainer_runs):
     for rank_runs in trainer_runs:
         sync = rank_runs["sync"]["final"]
@@ -169,6 +171,7 @@ def test_trainer_async_equals_sync_and_is_reproducible(trainer_runs):
         assert rank_runs["async"]["lrs"] == rank_runs["stock"]["lrs"]
 
 
+@pytest.mark.slow
 def test_trainer_resume_is_bit_identical(trainer_runs):
     for rank_runs in trainer_runs:
         resumed, whole = rank_runs["async-resumed"], rank_runs["async"]

@@ -27,11 +27,15 @@ sys.path.insert(0, os.path.dirname(TESTS))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import deepspeed  # noqa: E402,F401
+import rank_preload  # noqa: E402,F401  (what run_ranks' fork server imports: DeepSpeed's Muon check, ~2 s)
 import ds_acco  # noqa: E402
 import ds_acco.deepspeed.engine  # noqa: E402,F401
 import ds_acco.fsdp  # noqa: E402,F401
 from fixtures import TinyNet, batch, ds_config, make_optimizer  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+# Loaded once here (~1 s a start otherwise): DeepSpeed keeps loaded ops per process (OpBuilder._loaded_ops).
+get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
 
 MICRO_BATCHES = 10  # gas 4: a round is in flight at the end (fixed: launched at micro-batch 9)
 INTERRUPT_AT = 5  # mid-phase, a round in flight
