@@ -111,7 +111,7 @@ def _make_router(original: Callable) -> Callable:
         bound = signature.bind(*args, **kwargs)  # ds_acco.initialize takes keywords after `model`
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller.split(".")[0] == "accelerate":  # Accelerate, and HF Trainer through it
-            _refuse_dynamic_under_accelerate(bound.arguments, signature)
+            _refuse_dynamic_under_accelerate(bound.arguments)
         _ROUTING.active = True
         try:
             out = acco_initialize(**bound.arguments)
@@ -172,7 +172,7 @@ _DYNAMIC_UNDER_ACCELERATE = (
     "(engine.backward + engine.step per micro-batch, loop on engine.global_steps)")
 
 
-def _refuse_dynamic_under_accelerate(arguments: dict, signature: inspect.Signature) -> None:
+def _refuse_dynamic_under_accelerate(arguments: dict) -> None:
     """Refused at ``initialize``, before any engine or banner exists (not at the first backward)."""
     a = arguments
     raw = load_ds_config(a.get("config") if a.get("config") is not None else a.get("config_params"), a.get("args"))

@@ -34,7 +34,7 @@ from ..comm import collectives
 from ..comm.lane import CommLane
 from ..metrics import REPORT_FIELDS, StepMetrics, format_line, scalar_items
 from .buffers import BufferGroup
-from .rounds import RoundResult
+from .rounds import RoundKind, RoundResult
 from .schedule import AccoSchedule, ScheduleOptions
 from .shard_optimizer import ShardOptimizer
 
@@ -367,8 +367,7 @@ class _LRBookkeeping:
         self._undo = None  # (scheduler attributes, param-group settings) from before the step of the commit in flight
         self._warned = False
 
-    def launched(self, kind) -> None:
-        from .rounds import RoundKind
+    def launched(self, kind: RoundKind) -> None:
         if kind is RoundKind.COMMIT and self._step is not None and self._scheduler() is not None:
             self._owed, self._undo = True, None
 

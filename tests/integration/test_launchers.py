@@ -261,16 +261,21 @@ def _binds(port: int) -> subprocess.Popen:
     return start([sys.executable, "-c", code], base_env())
 
 
+def _take(port, held):
+    """Another process takes ``port`` (bound and listening until the test closes ``held``)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    held.append(s)
+
+
 def test_launch_retries_when_its_port_was_taken_before_it_was_bound():
     held, ports = [], []
 
     def start_taken_once(port):
         ports.append(port)
         if len(ports) == 1:  # another process takes the port between the choice and the bind
-            s = socket.socket()
-            s.bind(("127.0.0.1", port))
-            s.listen()
-            held.append(s)
+            _take(port, held)
         return _binds(port)
 
     try:
@@ -287,10 +292,7 @@ def test_launch_retries_a_bounded_number_of_times_and_not_other_failures():
 
     def always_taken(port):
         calls.append(port)
-        s = socket.socket()
-        s.bind(("127.0.0.1", port))
-        s.listen()
-        held.append(s)
+        _take(port, held)
         return _binds(port)
 
     try:
