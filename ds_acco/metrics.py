@@ -65,20 +65,20 @@ class StepMetrics:
             rec["estimate_micro_batches_global"] = estimate.total.micro_batches
             rec["estimate_round_s"] = estimate.duration_s
         rec["commit_round_s"] = commit.duration_s
-        if commit.drift is not None:
-            rec["estimate_drift"] = commit.drift
+        if estimate is not None and estimate.prev_commit_drift is not None:
+            rec["prev_step_estimate_drift"] = estimate.prev_commit_drift  # measured in the previous commit
         if lr is not None:
             rec["lr"] = lr  # the scheduler's value
         if commit.lr_factor != 1.0:
             rec["lr_factor"] = commit.lr_factor  # dynamic lr_scaling: the commit step used lr × this
         if loss_scale is not None:
             rec["loss_scale"] = loss_scale  # fp16: the scale after this step's update
-        if commit.peer_report is not None and commit.peer_report.shape[1] >= len(REPORT_FIELDS):
-            prev = commit.peer_report[:, :len(REPORT_FIELDS)]
-            if not bool(prev[:, 0].isnan().any()):  # a rank had no committed step yet
-                rec["prev_step_exposed_comm_s_per_rank"] = [float(v) for v in prev[:, 0]]
-                rec["prev_step_micro_batches_per_rank"] = [int(v) for v in prev[:, 2]]
-                rec["prev_step_exposed_comm_s_max"] = float(prev[:, 0].max())
+        rows = commit.peer_report
+        if rows is not None and all(len(row) >= len(REPORT_FIELDS) for row in rows):
+            if not any(math.isnan(row[0]) for row in rows):  # a rank had no committed step yet
+                rec["prev_step_exposed_comm_s_per_rank"] = [float(row[0]) for row in rows]
+                rec["prev_step_micro_batches_per_rank"] = [int(row[2]) for row in rows]
+                rec["prev_step_exposed_comm_s_max"] = max(float(row[0]) for row in rows)
         self.records.append(rec)
         return rec
 
@@ -100,8 +100,8 @@ def format_line(record: Dict) -> str:
              f"micro-batches {record['micro_batches']} (global {record['micro_batches_global']}, "
              f"per rank {record['micro_batches_per_rank']})",
              f"comm {record['comm_s']:.3f}s exposed {record['exposed_comm_s']:.3f}s overlap {record['overlap']:.2f}"]
-    if "estimate_drift" in record:
-        parts.append(f"drift {record['estimate_drift']:.3f}")
+    if "prev_step_estimate_drift" in record:
+        parts.append(f"drift (prev step) {record['prev_step_estimate_drift']:.3f}")
     if math.isfinite(record["step_time_s"]):
         parts.append(f"step {record['step_time_s']:.3f}s")
     if record.get("skipped"):

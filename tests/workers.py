@@ -193,7 +193,7 @@ def install_gated_lane(engine, gate_timeout_s: float = 5.0):
     lane = engine.optimizer.schedule.lane
     inner_submit = lane.submit
 
-    def submit(name, fn):
+    def submit(name, fn, **kwargs):
         gate = threading.Event()
         with log.lock:
             k = len(log.gates)
@@ -209,7 +209,7 @@ def install_gated_lane(engine, gate_timeout_s: float = 5.0):
             out = fn()
             log.log("round end", k)
             return out
-        return inner_submit(name, gated)
+        return inner_submit(name, gated, **kwargs)
 
     lane.submit = submit
     return log
@@ -267,11 +267,11 @@ def install_slow_lane(engine, seconds):
     lane = engine.optimizer.schedule.lane
     inner_submit = lane.submit
 
-    def submit(name, fn):
+    def submit(name, fn, **kwargs):
         def slow():
             time.sleep(seconds)
             return fn()
-        return inner_submit(name, slow)
+        return inner_submit(name, slow, **kwargs)
     lane.submit = submit
 
 

@@ -2,11 +2,27 @@
 
 A round is a plain function (reduce, sharded optimizer step, all-gather). The lane runs it on
 a dedicated worker thread with its own process group, so the thread that computes
-micro-batches never blocks on the network until it asks for the result. On an accelerator
-with streams the worker issues its kernels on a side stream that first waits for the work
-the compute stream queued before the submit (the copy into the communication buffer).
+micro-batches never blocks on the network until it asks for the result.
 
-Tests swap in a lane that delays or gates rounds to check asynchrony structurally.
+On an accelerator with streams (the interface: :mod:`.streams`) the protocol is, with every
+stream and event on the lane's device:
+
+1. submit (compute thread): event ``ready`` recorded on the compute stream, after everything
+   queued so far (the copy of G into the communication buffer B);
+2. the worker issues the round on its side stream, which first waits on ``ready`` (on the
+   device); then it records event ``done`` on the side stream and resolves the round. The
+   worker does not wait for the kernels: the round reads on the host only what it must (one
+   small read per round, see rounds.py);
+3. wait (compute thread): the compute stream waits on ``done`` -- on the device, the host does
+   not block on the kernels -- before the caller reads what the round wrote (B's all-gathered
+   weights). Tensors the round reads that the compute thread allocated (``keep``) are held until
+   this wait is queued, so their memory cannot be reused by compute kernels the round races;
+4. a round that raises first synchronises its stream, so no kernel of it is pending when the
+   error reaches the caller.
+
+Tests drive this protocol with :class:`~ds_acco.comm.recording.RecordingAccelerator`, which
+checks every cross-stream access for an ordering, and swap in lanes that delay or gate rounds
+to check asynchrony structurally.
 """
 from __future__ import annotations
 
@@ -15,7 +31,7 @@ import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -38,23 +54,28 @@ class _Stop:
 class RoundHandle:
     """A submitted round: poll with :meth:`done`, collect with :meth:`CommLane.wait`."""
 
-    def __init__(self, name: str, future: Future):
+    def __init__(self, name: str, future: Future, keep: Sequence[Any] = ()):
         self.name = name
         self.future = future
         self.submitted_at = time.perf_counter()
         self.started_at: Optional[float] = None
         self.finished_at: Optional[float] = None
+        self.done_event: Any = None  # recorded on the side stream after the round's last kernel
+        self.keep: Optional[Sequence[Any]] = keep  # alive until the compute stream waits on done_event
 
     def done(self) -> bool:
-        return self.future.done()
+        """Whether the round has finished, its kernels included (a query: never blocks)."""
+        if not self.future.done():
+            return False
+        return self.done_event is None or bool(self.done_event.query())
 
 
 class CommLane:
     """Runs rounds in order on one worker thread (or inline when ``synchronous``).
 
-    ``accelerator`` is DeepSpeed's accelerator object (or anything with the same
-    ``Stream``/``Event``/``stream``/``is_synchronized_device`` methods); with a synchronized
-    device (CPU) no stream is used.
+    ``accelerator``: see :mod:`.streams` (DeepSpeed's accelerator, torch's, or a test's); None or
+    a synchronized device (CPU): no stream is used. ``device``: the rank's device, where the side
+    stream, the events and the compute stream the protocol uses live.
     """
 
     def __init__(self, *, synchronous: bool = False, timeout_s: float = 1800.0, accelerator: Any = None,
@@ -64,7 +85,9 @@ class CommLane:
         self.timeout_s = timeout_s
         self._accel = accelerator
         self._use_streams = accelerator is not None and not accelerator.is_synchronized_device()
-        self._stream = accelerator.Stream() if self._use_streams else None
+        self._index = None if device is None else device.index
+        # On the lane's device, whichever device is current here: an FSDP2 user need not call set_device.
+        self._stream = accelerator.Stream(device=device) if self._use_streams else None
         # A daemon thread, not a ThreadPoolExecutor: the executor's workers are joined at
         # interpreter exit, so a round stuck in a collective would keep the process alive.
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -72,14 +95,19 @@ class CommLane:
         self._lock = threading.RLock()  # re-entrant: cheap insurance should a finaliser run while it is held
         self.rounds_submitted = 0
 
-    def submit(self, name: str, fn: Callable[[], Any]) -> RoundHandle:
-        """Start ``fn`` as the next round and return at once (inline when synchronous)."""
+    def submit(self, name: str, fn: Callable[[], Any], keep: Sequence[Any] = ()) -> RoundHandle:
+        """Start ``fn`` as the next round and return at once (inline when synchronous).
+
+        ``keep``: objects (tensors the compute thread made) the round reads; held until the
+        compute stream has waited for the round (:meth:`wait`). ``fn`` must return host values
+        only: device tensors it returned would be read and freed on the compute stream."""
         ready = None
         if self._use_streams:
             ready = self._accel.Event()
-            ready.record()  # on the compute stream: everything queued so far, incl. the buffer copy
+            # On the compute stream: everything queued so far, the copy into B included.
+            ready.record(self._accel.current_stream(self._index))
         future: Future = Future()
-        handle = RoundHandle(name, future)
+        handle = RoundHandle(name, future, keep)
         self.rounds_submitted += 1
 
         def run():
@@ -90,10 +118,14 @@ class CommLane:
                         with self._accel.stream(self._stream):
                             self._stream.wait_event(ready)
                             out = fn()
-                        self._stream.synchronize()
+                            done = self._accel.Event()
+                            done.record(self._stream)
+                        handle.done_event = done
                     else:
                         out = fn()
             except BaseException as exc:  # handed to the waiting thread
+                if self._stream is not None:
+                    self._settle()
                 handle.finished_at = time.perf_counter()
                 future.set_exception(exc)
                 return
@@ -109,6 +141,14 @@ class CommLane:
                     self._thread.start()
                 self._queue.put(run)
         return handle
+
+    def _settle(self) -> None:
+        """A failed round: its kernels already queued finish before the error is handed on (the
+        caller may free or reuse what they touch). A second failure here is the device's."""
+        try:
+            self._stream.synchronize()
+        except BaseException:  # noqa: BLE001 -- the round's own error is the one to report
+            pass
 
     def _work(self) -> None:
         self._enter_device()
@@ -141,10 +181,15 @@ class CommLane:
                 f"communication round '{handle.name}' did not finish within {self.timeout_s:g} s "
                 "(acco.comm_timeout_s): a peer rank may have died or the network is stalled")
         try:
-            return handle.future.result()
+            out = handle.future.result()
         except (RuntimeError, OSError, TimeoutError) as exc:  # collectives report peer failures so
             raise CommRoundError(f"communication round '{handle.name}' failed: {exc} -- a peer rank may have "
                                  "died or the network failed; this rank stops here") from exc
+        if handle.done_event is not None and handle.keep is not None:
+            # On the device: kernels the caller queues from here on run after the round's.
+            self._accel.current_stream(self._index).wait_event(handle.done_event)
+        handle.keep = None
+        return out
 
     def close(self) -> None:
         """Stop the worker thread after the round in flight, waiting at most ``timeout_s`` for it:

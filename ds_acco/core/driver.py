@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..comm import collectives
 from ..comm.lane import CommLane
+from ..comm.streams import stream_accelerator
 from ..metrics import REPORT_FIELDS, StepMetrics, format_line, scalar_items
 from .buffers import BufferGroup
 from .rounds import RoundKind, RoundResult
@@ -40,14 +41,6 @@ from .shard_optimizer import ShardOptimizer
 
 logger = logging.getLogger("ds_acco")
 STOP_FIELD = len(REPORT_FIELDS)  # index of the stop request in a round's peer report
-
-
-def accelerator_for(device: torch.device):
-    """What the lane needs for streams: nothing on CPU; DeepSpeed's accelerator elsewhere."""
-    if device.type == "cpu":
-        return None
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator()
 
 
 def check_same_on_all_ranks(settings: dict, what: str) -> None:
@@ -88,6 +81,8 @@ class AccoDriver:
         process_group: the data-parallel group (None: the default group).
         gradient_accumulation_steps, clip_grad: the framework's settings.
         device: where G and B live (the lane runs its rounds with this device current).
+        accelerator: the streams and events the lane uses on ``device`` (:mod:`ds_acco.comm.streams`):
+            DeepSpeed's accelerator from the DeepSpeed adapter; default torch's (None on CPU).
         host: the adapter's object whose ``global_steps`` and ``skipped_steps`` count commits.
         step_lr_scheduler: called once per applied (not skipped) commit, where stock steps its
             scheduler: at the end of the micro-batch call (``step()``) that launched the commit, or
@@ -111,7 +106,7 @@ class AccoDriver:
                  update_loss_scale: Optional[Callable[[bool], Optional[float]]] = None,
                  after_commit: Optional[Callable[[RoundResult, dict], None]] = None,
                  monitor: Any = None, log: Optional[Callable[[str], None]] = None, framework: str = "",
-                 announce: Optional[Callable[[str], None]] = None):
+                 announce: Optional[Callable[[str], None]] = None, accelerator: Any = None):
         self.config = config
         self.log = log or logger.info
         self.host = host
@@ -130,7 +125,7 @@ class AccoDriver:
         # issue order per group.
         self.process_group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=config.comm_timeout_s))
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
-                             accelerator=accelerator_for(device), device=device)
+                             accelerator=stream_accelerator(device, accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
         self.stop_requested = False  # set by SIGTERM; sent to every rank with the next round
         self.options = ScheduleOptions.from_config(config, gradient_accumulation_steps, clip_grad)
@@ -247,8 +242,8 @@ class AccoDriver:
     def stop_requested_by_any_rank(self) -> bool:
         """Whether a round collected so far carried a stop request from some rank."""
         for r in self.schedule.recent_rounds:
-            if r.peer_report is not None and r.peer_report.shape[1] > STOP_FIELD and bool(
-                    (r.peer_report[:, STOP_FIELD] > 0).any()):
+            if r.peer_report is not None and any(len(row) > STOP_FIELD and row[STOP_FIELD] > 0
+                                                 for row in r.peer_report):
                 return True
         return False
 

@@ -3,6 +3,7 @@ SGD and Adam / AdamW, op for op, on flat chunks through a reused workspace. One 
 the estimate (θ̃ into an output, state only read) and the commit (θ and the moments in place)."""
 from __future__ import annotations
 
+import struct
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -98,9 +99,16 @@ def _torch_step_value(state: dict) -> float:
     step_t = state.get("step")
     if step_t is None:
         return 1.0
-    if torch.is_tensor(step_t):  # float32 on CPU; ``step_t += 1`` then ``.item()``
-        return (step_t.detach() + 1).item()
+    if torch.is_tensor(step_t):  # float32 on CPU; ``step_t += 1`` then ``.item()``: + 1 rounded to its dtype
+        return _round_to(step_t.item() + 1, step_t.dtype)
     return float(step_t) + 1
+
+
+def _round_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (float32: the step count torch keeps), without a tensor."""
+    if dtype == torch.float32:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    return value
 
 
 def _adam(p, g, out, group, state, ws, commit=False):

@@ -58,8 +58,10 @@ class RoundResult:
     local: Tally  # this rank's micro-batches in the round's gradient sum
     per_rank: List[Tally]  # every rank's (gathered in the round: no extra collective)
     grad_norm: float  # norm of the global mean gradient, before clipping
-    drift: Optional[float] = None  # commit rounds in mode acco: ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖
-    peer_report: Optional[torch.Tensor] = None  # (world, k) compute-lane figures each rank sent along
+    # Mode acco: the previous commit's ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖, summed on the device in that
+    # commit and read with this round's one host read (a commit reads the host before its step only).
+    prev_commit_drift: Optional[float] = None
+    peer_report: Optional[List[List[float]]] = None  # per rank, the figures it sent along (host floats)
     started_at: float = 0.0
     finished_at: float = 0.0
     wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
@@ -83,14 +85,17 @@ class RoundResult:
         """Plain types only, so checkpoints load without unpickling our classes."""
         return {"kind": self.kind.value, "step": self.step, "local": (self.local.micro_batches, self.local.weight),
                 "per_rank": [(t.micro_batches, t.weight) for t in self.per_rank], "grad_norm": self.grad_norm,
-                "drift": self.drift, "peer_report": self.peer_report, "started_at": self.started_at,
+                "prev_commit_drift": self.prev_commit_drift, "peer_report": self.peer_report, "started_at": self.started_at,
                 "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
                 "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RoundResult":
+        peer = d["peer_report"]
+        if torch.is_tensor(peer):  # checkpoints before 0.3 kept the table as a tensor
+            peer = peer.tolist()
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
-                   d["grad_norm"], d["drift"], d["peer_report"], d["started_at"], d["finished_at"], d["wait_s"],
+                   d["grad_norm"], d.get("prev_commit_drift"), peer, d["started_at"], d["finished_at"], d["wait_s"],
                    d["collected_at"], d.get("skipped", False), d.get("lr_factor", 1.0), d.get("lr"))
 
 
@@ -111,6 +116,8 @@ class RoundContext:
     lr_power: float = 0.0  # dynamic mode's learning-rate rule (0: off), see lr_factor
     nominal_phase_micro_batches: int = 0  # one fixed-mode phase, all ranks
     commit_phases: int = 1  # phases a commit round's gradients span (2 in mode acco)
+    read_counts_first: bool = False  # dynamic mode: read the counts table before the reduce (drain aborts)
+    pending_drift: Optional[torch.Tensor] = None  # the last commit's drift sums, on the device, not yet read
 
     def lr_factor(self, kind: "RoundKind", micro_batches: int) -> float:
         """(the round's global micro-batches / what fixed accumulation gives that round) ** lr_power:
@@ -121,34 +128,43 @@ class RoundContext:
         return (micro_batches / (self.nominal_phase_micro_batches * phases)) ** self.lr_power
 
 
-def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
-    """Every rank's counts and report in one small all-gather: (per-rank tallies, (world, k) reports)."""
-    device = ctx.groups[0].comm.device
+def exchange_table(ctx: RoundContext, local: Tally, report: Sequence[float]) -> torch.Tensor:
+    """Every rank's counts and report in one small all-gather: a (world, 2 + REPORT_SIZE) float64
+    table on the device (row r: rank r's micro-batches, weight, report). Nothing is read back."""
     if len(report) > REPORT_SIZE:  # never truncate: a dropped field would be a silent protocol change
         raise ValueError(f"a round's report has {len(report)} floats, at most {REPORT_SIZE} travel")
-    mine = torch.zeros(2 + REPORT_SIZE, dtype=torch.float64, device=device)
-    mine[0], mine[1] = local.micro_batches, local.weight
-    mine[2:2 + len(report)] = torch.tensor(list(report)[:REPORT_SIZE], dtype=torch.float64)
-    table = torch.empty(ctx.world * mine.numel(), dtype=torch.float64, device=device)
+    row = [float(local.micro_batches), float(local.weight)] + [float(v) for v in report]
+    row += [0.0] * (2 + REPORT_SIZE - len(row))
+    mine = torch.tensor(row, dtype=torch.float64, device=ctx.groups[0].comm.device)  # host → device
+    table = torch.empty(ctx.world * mine.numel(), dtype=torch.float64, device=mine.device)
     collectives.gather_shards(mine, table, ctx.process_group)
-    table = table.view(ctx.world, -1).cpu()
-    return [Tally(int(row[0]), float(row[1])) for row in table], table[:, 2:]
+    return table.view(ctx.world, -1)
 
 
-def check_no_drain_abort(reports: torch.Tensor) -> None:
+def parse_table(rows: Sequence[Sequence[float]]):
+    """The host copy of :func:`exchange_table`'s table: (per-rank tallies, per-rank reports)."""
+    return [Tally(int(row[0]), float(row[1])) for row in rows], [list(row[2:]) for row in rows]
+
+
+def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
+    """:func:`exchange_table` read back at once (a drain's probe): (per-rank tallies, reports)."""
+    return parse_table(exchange_table(ctx, local, report).tolist())
+
+
+def check_no_drain_abort(reports: Sequence[Sequence[float]]) -> None:
     """Raise :class:`DrainMismatchError` when a rank filled this slot to report that the ranks'
     drains do not pair up (its own error says which); every rank then stops at this slot."""
-    if reports.shape[1] > DRAIN_FIELD and bool((reports[:, DRAIN_FIELD] == DRAIN_ABORT).any()):
-        ranks = [r for r in range(reports.shape[0]) if float(reports[r, DRAIN_FIELD]) == DRAIN_ABORT]
+    ranks = [r for r, row in enumerate(reports) if len(row) > DRAIN_FIELD and row[DRAIN_FIELD] == DRAIN_ABORT]
+    if ranks:
         raise DrainMismatchError(
             f"ACCO dynamic mode: rank(s) {ranks} found that the ranks drained (committed_weights, "
             "save_checkpoint, evaluation) a different number of times -- see that rank's error; fix: drain on "
             "every rank at the same micro-batch count (not on rank 0 only, not on a per-rank condition)")
 
 
-def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom: float) -> List[List[torch.Tensor]]:
-    """Sum B's gradients over the ranks and divide this rank's shard by ``denom``; per group the
-    shard's gradients. In place in B when gradients travel in fp32, else an fp32 copy of the shard
+def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom) -> List[List[torch.Tensor]]:
+    """Sum B's gradients over the ranks and divide this rank's shard by ``denom`` (a float, or a
+    0-dim float64 tensor on the device: the same quotients); per group the shard's gradients. In place in B when gradients travel in fp32, else an fp32 copy of the shard
     (the optimizer steps fp32 masters; stock ZeRO-1 makes the same copy)."""
     out = []
     for g in ctx.groups:
@@ -187,20 +203,43 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
     a scheduler does on the compute thread meanwhile (default: the settings when it runs)."""
     started = time.perf_counter()
     with record_function(f"ACCO::{kind.value}_round"):
-        per_rank, reports = exchanged if exchanged is not None else exchange_tallies(ctx, local, report)
-        check_no_drain_abort(reports)
-        weight = sum(t.weight for t in per_rank)
-        if weight <= 0:
-            raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "
-                               f"(micro-batches per rank: {[t.micro_batches for t in per_rank]})")
-        denom = weight * ctx.gas_scale * loss_scale  # G carried ``loss_scale`` when it was packed
+        if exchanged is not None:  # the counts are on the host already; the table goes back to the device
+            rows = [[float(t.micro_batches), float(t.weight)] + list(r) for t, r in zip(*exchanged)]
+            table = torch.tensor(rows, dtype=torch.float64, device=ctx.groups[0].comm.device)
+            per_rank, reports = exchanged
+        else:
+            table = exchange_table(ctx, local, report)
+            per_rank = reports = None
+            if ctx.read_counts_first:  # dynamic mode: a drain abort must stop every rank before the reduce
+                per_rank, reports = parse_table(table.tolist())
+        if per_rank is not None:
+            _check_counts(kind, step, per_rank, reports)
+        # The mean's denominator stays on the device: the round reads the host once, below.
+        denom = table[:, 1].sum() * ctx.gas_scale * loss_scale  # G carried ``loss_scale`` when it was packed
         with record_function("ACCO::reduce"):
             grads = reduce_mean_grads(ctx, kind, denom)
         flat_grads = [t for gs in grads for t in gs]
         norm_sq = collectives.sum_scalars(global_norm_sq(flat_grads, ctx.chunk_elems), ctx.process_group)
-        grad_norm = float(norm_sq.sqrt())  # the same on every rank: so is the skip decision
+        # The round's one host read (fixed mode): the squared norm, the previous commit's drift sums
+        # and the counts table together. What the host decides (skip, clip factor, learning-rate
+        # factor) follows from it.
+        parts = [norm_sq.reshape(1)]
+        pending, ctx.pending_drift = ctx.pending_drift, None
+        if pending is not None:
+            parts.append(pending)
+        if per_rank is None:
+            parts.append(table.reshape(-1))
+        host = torch.cat(parts).tolist()
+        prev_drift = None
+        if pending is not None:
+            num, den = host[1], host[2]
+            prev_drift = math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
+        if per_rank is None:
+            width, first = table.shape[1], len(host) - table.numel()
+            per_rank, reports = parse_table([host[first + r * width:first + (r + 1) * width] for r in range(ctx.world)])
+            _check_counts(kind, step, per_rank, reports)
+        grad_norm = math.sqrt(host[0]) if host[0] >= 0 else float("nan")  # the same on every rank: so is the skip
         skipped = not math.isfinite(grad_norm)
-        drift = None
         lr_factor = 1.0
         if skipped:
             if ctx.nonfinite == "raise":
@@ -222,7 +261,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     before = _keep_shards_for_drift(ctx)
                     ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
-                        drift = _drift(ctx, before)
+                        ctx.pending_drift = _drift_sums(ctx, before)
                     write_shards(ctx)
                 else:
                     outs = [v for g in ctx.groups for v in g.shard_views(g.gather_view())]
@@ -231,9 +270,16 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         with record_function("ACCO::all_gather"):
             gather(ctx)
     lr = settings[0].get("lr") if settings else None
-    return RoundResult(kind, step, local, per_rank, grad_norm, drift, reports, started, time.perf_counter(),
+    return RoundResult(kind, step, local, per_rank, grad_norm, prev_drift, reports, started, time.perf_counter(),
                        skipped=skipped, lr_factor=lr_factor,
                        lr=float(lr) * lr_factor if isinstance(lr, (int, float)) else None)
+
+
+def _check_counts(kind: RoundKind, step: int, per_rank: Sequence[Tally], reports) -> None:
+    check_no_drain_abort(reports)
+    if sum(t.weight for t in per_rank) <= 0:
+        raise RuntimeError(f"round '{kind.value} {step}': no gradient weight on any rank "
+                           f"(micro-batches per rank: {[t.micro_batches for t in per_rank]})")
 
 
 def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
@@ -250,10 +296,10 @@ def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
     return kept
 
 
-def _drift(ctx: RoundContext, before: List[torch.Tensor]) -> float:
-    """‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖ over all ranks. θ̃_{t+1} is what the compute lane runs
-    on during the commit phase: the live weights (their shard is read here, not copied). Summed in
-    fp64 through two reused chunk-sized buffers."""
+def _drift_sums(ctx: RoundContext, before: List[torch.Tensor]) -> torch.Tensor:
+    """(‖θ̃_{t+1} − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖²) over all ranks, on the device (the next round reads
+    them). θ̃_{t+1} is what the compute lane runs on during the commit phase: the live weights
+    (their shard is read here, not copied). Summed in fp64 through two reused chunk-sized buffers."""
     after = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
     estimate = [v for g in ctx.groups for v in g.live_shard_views()]
     device = before[0].device
@@ -269,5 +315,4 @@ def _drift(ctx: RoundContext, before: List[torch.Tensor]) -> float:
             sums[0] += torch.dot(y, y)
             y.copy_(old.narrow(0, start, n)).sub_(x)
             sums[1] += torch.dot(y, y)
-    collectives.sum_scalars(sums, ctx.process_group)
-    return float(sums[0].sqrt() / sums[1].sqrt()) if float(sums[1]) > 0 else float("nan")
+    return collectives.sum_scalars(sums, ctx.process_group)

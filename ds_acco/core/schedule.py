@@ -147,7 +147,8 @@ class AccoSchedule:
                                     options.clip_grad, options.nonfinite, reduce_scatter,
                                     options.track_drift and options.mode == "acco", options.chunk_elems,
                                     options.lr_power, options.nominal_phase * world,
-                                    2 if options.mode == "acco" else 1)
+                                    2 if options.mode == "acco" else 1,
+                                    read_counts_first=not isinstance(options.phases, FixedPhases))
         # Temporaries run beside the compute lane's activations: a chunk is also kept to 1/64 of a
         # shard, so small models do not pay the default chunk's megabytes.
         segment = max(g.segment for g in self.groups)
@@ -226,11 +227,10 @@ class AccoSchedule:
         if not (self.agrees_drains and self._peer_draining()):
             return
         reports = self._inflight.result.peer_report
-        flagged = reports[:, DRAIN_FIELD] == self.drains + 1
-        at = int(reports[flagged, DRAIN_AT_FIELD].max())
+        ranks = [r for r, row in enumerate(reports) if row[DRAIN_FIELD] == self.drains + 1]
+        at = int(max(reports[r][DRAIN_AT_FIELD] for r in ranks))
         if self.micro_batches < at:
             return  # this rank's own drain is still ahead (at micro-batch ``at``)
-        ranks = [r for r in range(reports.shape[0]) if bool(flagged[r])]
         message = (f"ACCO dynamic mode: rank(s) {ranks} drained (committed_weights, save_checkpoint, evaluation) "
                    f"for the {self.drains + 1}th time after micro-batch {at}; this rank (rank {self.rank}) has "
                    f"drained {self.drains} times and is at micro-batch {self.micro_batches}, so the ranks drained a "
@@ -315,7 +315,7 @@ class AccoSchedule:
             probe = self.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
             per_rank, reports = self.lane.wait(probe)
             check_no_drain_abort(reports)
-            if bool((reports[:, DRAIN_FIELD] == drain).all()):
+            if all(row[DRAIN_FIELD] == drain for row in reports):
                 return None if inflight is None else inflight.result  # nobody launched a round there
             self.end_phase(exchanged=(per_rank, reports), reason="drain")
             return self._wait(self._inflight)
@@ -485,7 +485,8 @@ class AccoSchedule:
         # rounds of step t use step t's learning rate).
         settings = ctx.shard_optimizer.settings()
         handle = self.lane.submit(f"{kind.value} {step}",
-                                  lambda: run_round(ctx, kind, step, tally, report, scale, exchanged, settings))
+                                  lambda: run_round(ctx, kind, step, tally, report, scale, exchanged, settings),
+                                  keep=settings)  # a tensor setting (cloned here) lives until the round is waited for
         self._inflight = _InFlight(handle, kind, step)
         if self.after_launch is not None:
             self.after_launch(kind)
@@ -526,5 +527,4 @@ class AccoSchedule:
 def _flagged(result: RoundResult, drain: int) -> bool:
     """Whether some rank sent ``result``'s round as part of its drain number ``drain``."""
     reports = result.peer_report
-    return (reports is not None and reports.shape[1] > DRAIN_FIELD
-            and bool((reports[:, DRAIN_FIELD] == drain).any()))
+    return reports is not None and any(len(row) > DRAIN_FIELD and row[DRAIN_FIELD] == drain for row in reports)

@@ -24,6 +24,15 @@ ACCO_STATE_KEY = "acco_state"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _stream_accelerator(device: torch.device):
+    """DeepSpeed's accelerator for the lane's streams (None on CPU: no streams). A module-level
+    function: tests swap in a recording accelerator here."""
+    if device.type == "cpu":
+        return None
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator()
+
+
 def _adder(view: torch.Tensor):
     """A post-accumulate-grad hook adding the parameter's gradient into its slice of G."""
     def hook(param: torch.Tensor) -> None:
@@ -96,7 +105,8 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             lr_scheduler=lambda: engine.lr_scheduler,
             loss_scale=lambda: self.loss_scale, update_loss_scale=self._acco_update_loss_scale,
             after_commit=self._after_commit, log=logger.info, framework="DeepSpeed ZeRO-1",
-            announce=logger.warning)  # DeepSpeed's logger shows WARNING and above by default
+            announce=logger.warning,  # DeepSpeed's logger shows WARNING and above by default
+            accelerator=_stream_accelerator(groups[0].live.device))
 
     @property
     def schedule(self):

@@ -1,0 +1,186 @@
+"""The lane's stream protocol on an asynchronous device, checked on CPU with the recording
+accelerator (ds_acco/comm/recording.py): every cross-stream access ordered, waits on the device,
+streams on the lane's device, host synchronisations counted."""
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from ds_acco.comm.lane import CommLane, CommRoundError
+from ds_acco.comm.recording import RecordingAccelerator
+from dist import run_ranks
+import stream_workers
+
+CUDA1 = torch.device("cuda", 1)  # a device descriptor only: kernels run on CPU
+
+
+def _recorder(**kw):
+    return RecordingAccelerator(tensor_device=1, **kw)  # the CPU tensors stand for cuda:1's
+
+
+def _lane(acc, **kw):
+    return CommLane(timeout_s=30, accelerator=acc, device=CUDA1, **kw)
+
+
+def _double(b, c):
+    c.copy_(b).mul_(2)
+
+
+def _round_trip(acc, lane, b, c):
+    """compute: B ← G (pack); round: C ← 2·B (reduce/gather stand-in); compute: live ← C (unpack)."""
+    with acc.recording():
+        b.copy_(torch.arange(8.0))
+        handle = lane.submit("round", lambda: _double(b, c))
+        lane.wait(handle)
+        live = c.clone()
+    return live
+
+
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_a_round_is_ordered_after_the_pack_and_before_the_unpack_on_the_device(synchronous):
+    acc = _recorder()
+    acc.set_device(0)  # the compute thread's current device is not the lane's
+    lane = _lane(acc, synchronous=synchronous)
+    b, c = torch.zeros(8), torch.zeros(8)
+    live = _round_trip(acc, lane, b, c)
+    lane.close()
+    assert torch.equal(live, torch.arange(8.0) * 2)
+    assert acc.races() == []
+    # the compute thread waited on the device, never on the host
+    assert acc.host_syncs(thread=threading.current_thread().name) == []
+    waits = [e for e in acc.log if e.kind == "wait"]
+    assert len(waits) == 2  # the side stream on ready, the compute stream on done
+
+
+@pytest.mark.parametrize("broken", ["ready", "done"])
+def test_the_race_check_catches_a_missing_wait(broken):
+    # The checker itself: a lane whose side stream (ready) or compute stream (done) skips its wait.
+    acc = _recorder()
+    lane = _lane(acc)
+    if broken == "ready":
+        stream_workers._mutate(lane, "no-ready-wait")
+    else:
+        stream_workers._mutate(lane, "no-done-wait")
+    _round_trip(acc, lane, torch.zeros(8), torch.zeros(8))
+    lane.close()
+    races = acc.races()
+    assert races, "a missing wait must show as a race"
+    assert ("aten.copy_" in races[0]) or ("aten.clone" in races[0]), races
+
+
+def test_streams_and_events_live_on_the_lanes_device():
+    acc = _recorder()
+    acc.set_device(0)
+    lane = _lane(acc)
+    _round_trip(acc, lane, torch.zeros(8), torch.zeros(8))
+    lane.close()
+    devices = {e.device for e in acc.log if e.kind in ("stream", "record", "wait")}
+    assert devices == {1}, acc.log
+
+
+def test_what_the_round_reads_stays_alive_until_the_compute_stream_waited():
+    acc = _recorder()
+    lane = _lane(acc)
+    started, release = threading.Event(), threading.Event()
+    box = [torch.full((4,), 3.0)]  # made on the compute stream; the round is its only reader
+    x = box[0]
+    weakref.finalize(x, acc.mark, "x freed")
+    out = torch.zeros(4)
+
+    def fn():
+        y = box.pop()
+        out.copy_(y)
+        del y
+        started.set()
+        release.wait(30)
+
+    with acc.recording():
+        handle = lane.submit("round", fn, keep=[x])
+        del x
+        assert started.wait(30)
+        release.set()
+        gc.collect()
+        lane.wait(handle)
+        acc.mark("waited")
+    gc.collect()
+    lane.close()
+    order = [e.what for e in acc.log if e.kind == "mark"]
+    wait_at = max(i for i, e in enumerate(acc.log) if e.kind == "wait" and e.thread == threading.current_thread().name)
+    freed_at = next(i for i, e in enumerate(acc.log) if e.kind == "mark" and e.what == "x freed")
+    assert freed_at > wait_at, order
+
+
+def test_a_failed_round_synchronises_its_stream_before_the_error_is_handed_on():
+    acc = _recorder()
+    lane = _lane(acc)
+    seen = []
+    sync = acc._sync
+
+    def spy(**kw):
+        seen.append(handle.future.done())
+        sync(**kw)
+    acc._sync = spy
+
+    def fn():
+        torch.ones(3).mul_(2)
+        raise RuntimeError("NCCL error: remote process exited")
+    handle = lane.submit("commit 3", fn)
+    with pytest.raises(CommRoundError, match="remote process"):
+        lane.wait(handle)
+    lane.close()
+    assert seen == [False]  # synchronised once, before the future resolved
+
+
+def test_done_is_a_query_of_the_device():
+    acc = _recorder()
+    lane = _lane(acc)
+    handle = lane.submit("round", lambda: None)
+    handle.future.result(30)
+    assert handle.done_event is not None
+    handle.done_event.query = lambda: False  # kernels still running
+    assert not handle.done()
+    lane.close()
+
+
+# -- through the real DeepSpeed engine, 2 gloo ranks ----------------------------------------------
+GAS, STEPS = 4, 5
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    cases = {"acco": {}, "dpu": {"mode": "dpu"}, "acco-sync": {"synchronous": True},
+             "acco-clip": {"clip": 0.5}}
+    out = {}
+    for name, extra in cases.items():
+        out[name] = run_ranks(stream_workers.record_deepspeed, case=dict(gas=GAS, steps=STEPS, **extra))
+    return out
+
+
+@pytest.mark.parametrize("name", ["acco", "dpu", "acco-sync", "acco-clip"])
+def test_engine_rounds_have_no_unordered_access(recorded, name):
+    for rank in recorded[name]:
+        assert rank["races"] == [], rank["races"][:3]
+
+
+@pytest.mark.parametrize("name", ["acco", "dpu", "acco-clip"])
+def test_engine_compute_thread_never_syncs_in_steady_state(recorded, name):
+    for rank in recorded[name]:
+        steady = rank["compute_syncs"][2 * GAS:]  # after the bootstrap and the first swap
+        assert all(s == [] for s in steady), steady
+
+
+@pytest.mark.parametrize("name", ["acco", "dpu", "acco-clip"])
+def test_engine_lane_reads_the_host_once_per_round(recorded, name):
+    for rank in recorded[name]:
+        assert rank["rounds"] >= STEPS
+        assert len(rank["lane_syncs"]) <= rank["rounds"], " ".join(rank["lane_syncs"])
+
+
+def test_recording_changes_nothing(recorded):
+    a, s = recorded["acco"], recorded["acco-sync"]
+    for ra, rs in zip(a, s):
+        assert ra["losses"] == rs["losses"]
+        for k in ra["final"]:
+            assert torch.equal(ra["final"][k], rs["final"][k]), k
