@@ -54,6 +54,35 @@ def record_deepspeed(case: dict) -> dict:
     return out
 
 
+def record_fsdp(case: dict) -> dict:
+    """The FSDP2 adapter with the recording accelerator as its lane's device API."""
+    import os
+    import ds_acco.core.driver as driver
+    import fsdp_workers
+    acc = RecordingAccelerator()
+    driver.stream_accelerator = lambda device, accelerator=None: acc
+    gas, steps = case.get("gas", 4), case.get("steps", 4)
+    model, acco = fsdp_workers.build({"optimizer": case.get("optimizer", "adamw"), "gas": gas,
+                                      "acco": {"enabled": True, "mode": case.get("mode", "acco")},
+                                      "clip": case.get("clip", 0.0)})
+    acc.exclude_reads = adam_step_counts(acco.optimizer)
+    rank = int(os.environ["RANK"])
+    n = gas * steps
+    losses = []
+    with acc.recording():
+        for i in range(n):
+            acc.mark(f"start {i}")
+            loss = model(*batch(rank, i))
+            acco.backward(loss)
+            acco.step()
+            losses.append(loss.detach())
+            acc.mark(f"end {i}")
+    out = _summary(acc, n, acco.driver.lane.rounds_submitted)
+    out["losses"] = [float(v) for v in losses]
+    acco.close()
+    return out
+
+
 def _summary(acc: RecordingAccelerator, micro_batches: int, rounds: int) -> dict:
     compute = [[e.what for e in acc.host_syncs(thread="MainThread", between=(f"start {i}", f"end {i}"))]
                for i in range(micro_batches)]

@@ -184,3 +184,15 @@ def test_recording_changes_nothing(recorded):
         assert ra["losses"] == rs["losses"]
         for k in ra["final"]:
             assert torch.equal(ra["final"][k], rs["final"][k]), k
+
+
+@pytest.fixture(scope="module")
+def recorded_fsdp():
+    return run_ranks(stream_workers.record_fsdp, case=dict(gas=GAS, steps=STEPS))
+
+
+def test_fsdp2_rounds_are_ordered_and_the_compute_thread_never_syncs(recorded_fsdp):
+    for rank in recorded_fsdp:
+        assert rank["races"] == [], rank["races"][:3]
+        assert all(s == [] for s in rank["compute_syncs"][2 * GAS:]), rank["compute_syncs"]
+        assert rank["rounds"] >= STEPS and len(rank["lane_syncs"]) <= rank["rounds"], rank["lane_syncs"]
