@@ -51,31 +51,26 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import _routing
+from ._routing import installed
 from .config import ACCO_KEY, acco_config_of, load_ds_config
 
 _LOCK = threading.RLock()
 _ROUTING = threading.local()  # .active: this thread is inside the router (nested calls -> original)
 _patches: List[Tuple[Any, str, Any, Any]] = []  # (owner, attribute, original, ours), in patch order
-_original_initialize: Optional[Callable] = None
 _MISSING = object()  # the patched class only inherited the attribute
-
-
-def installed() -> bool:
-    """True between :func:`install` and :func:`uninstall`."""
-    return _original_initialize is not None
 
 
 def install() -> None:
     """Route later ``deepspeed.initialize`` calls with an enabled ``"acco"`` block to ds_acco, and
     adapt Accelerate / HF Trainer to ACCO engines (see the module docstring for the exact scope).
     Idempotent and thread-safe; undone by :func:`uninstall`."""
-    global _original_initialize
     import deepspeed
 
     with _LOCK:
-        if _original_initialize is None:
+        if _routing.original_initialize is None:
             original = deepspeed.initialize
-            _original_initialize = original
+            _routing.original_initialize = original
             _patch(deepspeed, "initialize", _make_router(original))
             engine = deepspeed.runtime.engine.DeepSpeedEngine
             _patch(engine, "__init__", _warn_if_stock(engine.__init__))
@@ -85,7 +80,6 @@ def install() -> None:
 def uninstall() -> None:
     """Undo :func:`install`: every patched name that still holds our function gets its original
     back. Engines built meanwhile keep working. Idempotent and thread-safe."""
-    global _original_initialize
     with _LOCK:
         for owner, name, original, ours in reversed(_patches):
             if _current(owner, name) is not ours:
@@ -95,7 +89,7 @@ def uninstall() -> None:
             else:
                 setattr(owner, name, original)
         _patches.clear()
-        _original_initialize = None
+        _routing.original_initialize = None
 
 
 # -- the router ------------------------------------------------------------------------------------
@@ -205,7 +199,7 @@ def _on_committed_weights(original: Callable) -> Callable:
         engine = getattr(self, "model_wrapped", None)
         if not _is_acco_engine(engine):
             return original(self, *args, **kwargs)
-        from . import committed_weights
+        from .weights import committed_weights
 
         with committed_weights(engine):  # collective: the Trainer calls this on every rank
             return original(self, *args, **kwargs)

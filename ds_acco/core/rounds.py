@@ -17,14 +17,19 @@ import enum
 import math
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..comm import collectives
 from .phases import Tally
 from .shard_optimizer import global_norm_sq
+
+if TYPE_CHECKING:
+    from .buffers import BufferGroup
+    from .shard_optimizer import ShardOptimizer
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -99,20 +104,20 @@ class RoundResult:
                    d["collected_at"], d.get("skipped", False), d.get("lr_factor", 1.0), d.get("lr"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RoundContext:
-    """What every round of one schedule shares (fixed at construction)."""
-    groups: Sequence  # BufferGroup
-    shard_optimizer: object  # ShardOptimizer
-    process_group: object
+    """What every round of one schedule shares (fixed at construction; built by keyword)."""
+    groups: Sequence["BufferGroup"]
+    shard_optimizer: Optional["ShardOptimizer"]  # None only in tests that never step
+    process_group: Optional[dist.ProcessGroup]  # the rounds' own group
     rank: int
     world: int
     gas_scale: float  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A loss scaling)
-    clip_grad: float
-    nonfinite: str
-    reduce_scatter: bool
-    track_drift: bool
-    chunk_elems: int
+    clip_grad: float  # clip the global mean gradient to this norm (0: off)
+    nonfinite: str  # 'skip' or 'raise'
+    reduce_scatter: bool  # reduce with a reduce-scatter (NCCL) rather than all-reduce + slice (gloo)
+    track_drift: bool  # measure the estimate drift in commit rounds
+    chunk_elems: int  # bound on a round's temporaries (elements)
     lr_power: float = 0.0  # dynamic mode's learning-rate rule (0: off), see lr_factor
     nominal_phase_micro_batches: int = 0  # one fixed-mode phase, all ranks
     commit_phases: int = 1  # phases a commit round's gradients span (2 in mode acco)

@@ -143,12 +143,14 @@ class AccoSchedule:
         self.options = options
         self.mode = options.mode
         self.phases = options.phases
-        self.context = RoundContext(self.groups, shard_optimizer, process_group, rank, world, options.gas_scale,
-                                    options.clip_grad, options.nonfinite, reduce_scatter,
-                                    options.track_drift and options.mode == "acco", options.chunk_elems,
-                                    options.lr_power, options.nominal_phase * world,
-                                    2 if options.mode == "acco" else 1,
-                                    read_counts_first=not isinstance(options.phases, FixedPhases))
+        self.context = RoundContext(
+            groups=self.groups, shard_optimizer=shard_optimizer, process_group=process_group, rank=rank, world=world,
+            gas_scale=options.gas_scale, clip_grad=options.clip_grad, nonfinite=options.nonfinite,
+            reduce_scatter=reduce_scatter, track_drift=options.track_drift and options.mode == "acco",
+            chunk_elems=options.chunk_elems, lr_power=options.lr_power,
+            nominal_phase_micro_batches=options.nominal_phase * world,
+            commit_phases=2 if options.mode == "acco" else 1,
+            read_counts_first=not isinstance(options.phases, FixedPhases))
         # Temporaries run beside the compute lane's activations: a chunk is also kept to 1/64 of a
         # shard, so small models do not pay the default chunk's megabytes.
         segment = max(g.segment for g in self.groups)

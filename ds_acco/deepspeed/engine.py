@@ -255,7 +255,7 @@ class AccoEngine(DeepSpeedEngine):
             self._acco_enter_eval_weights()
 
     def _acco_enter_eval_weights(self) -> None:
-        from ..install import installed
+        from .._routing import installed
         driver = self._acco_driver()
         if driver is None or self._acco_eval_weights is not None or not installed():
             return
