@@ -11,6 +11,7 @@ import torch
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer
 from reference import reference_run
+from timeouts import scaled
 import megatron_workers
 from megatron_workers import INCREMENT, make_increment_lr
 
@@ -29,7 +30,7 @@ CASES[("stock", "megatron", False)] = {"mode": "stock", "gas": GAS, "iters": ITE
 @pytest.fixture(scope="module")
 def runs():
     keys = list(CASES)
-    out = run_ranks(megatron_workers.megatron_cases, cases=[CASES[k] for k in keys], timeout=240)
+    out = run_ranks(megatron_workers.megatron_cases, cases=[CASES[k] for k in keys], timeout=scaled(80))
     return [{k: per_rank[i] for i, k in enumerate(keys)} for per_rank in out]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_acco import _autoinstall
+from timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 NEEDS_DEEPSPEED_OPS = False
@@ -26,7 +27,7 @@ def _python(tmp_path, code, **env_extra):
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCO_INSTALL"}
     env.update(PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu", **env_extra)
     prog = f"import site; site.addsitedir({str(site_dir)!r})\n" + code
-    out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=scaled(40))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1], out.stderr
 

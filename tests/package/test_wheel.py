@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ds_acco import cli, configs
+from timeouts import scaled
 from ds_acco.bench import runner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ def _wheel_tooling() -> str:
 
 
 def _run(argv, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=180, **kw)
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=scaled(60), **kw)
     assert proc.returncode == 0, f"{argv}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
