@@ -90,7 +90,8 @@ class RoundResult:
         """Plain types only, so checkpoints load without unpickling our classes."""
         return {"kind": self.kind.value, "step": self.step, "local": (self.local.micro_batches, self.local.weight),
                 "per_rank": [(t.micro_batches, t.weight) for t in self.per_rank], "grad_norm": self.grad_norm,
-                "prev_commit_drift": self.prev_commit_drift, "peer_report": self.peer_report, "started_at": self.started_at,
+                "prev_commit_drift": self.prev_commit_drift, "peer_report": self.peer_report,
+                "started_at": self.started_at,
                 "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
                 "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr}
 
@@ -169,8 +170,9 @@ def check_no_drain_abort(reports: Sequence[Sequence[float]]) -> None:
 
 def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom) -> List[List[torch.Tensor]]:
     """Sum B's gradients over the ranks and divide this rank's shard by ``denom`` (a float, or a
-    0-dim float64 tensor on the device: the same quotients); per group the shard's gradients. In place in B when gradients travel in fp32, else an fp32 copy of the shard
-    (the optimizer steps fp32 masters; stock ZeRO-1 makes the same copy)."""
+    0-dim float64 tensor on the device: the same quotients); per group the shard's gradients. In
+    place in B when gradients travel in fp32, else an fp32 copy of the shard (the optimizer steps
+    fp32 masters; stock ZeRO-1 makes the same copy)."""
     out = []
     for g in ctx.groups:
         flat = g.reduce_view(kind)
