@@ -31,6 +31,9 @@ TORCH_CONFIGS = {
     "adam-maximize-low-beta1": lambda p: torch.optim.Adam(p, lr=0.01, maximize=True, betas=(0.3, 0.9)),
     "adam-decoupled-flag": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
     "adamw-foreach-amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, amsgrad=True, foreach=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, fused=True),
+    "adam-fused-amsgrad-l2-maximize": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.1,
+                                                                 maximize=True, fused=True),
 }
 
 
@@ -165,7 +168,7 @@ def test_unsupported_settings_are_refused():
     p = [torch.randn(4, requires_grad=True)]
     assert not functional_step.supports(torch.optim.Adagrad(p))
     assert not functional_step.supports(torch.optim.RMSprop(p))
-    assert not functional_step.supports(torch.optim.AdamW(p, fused=True))
+    assert not functional_step.supports(torch.optim.AdamW(p, differentiable=True))
     assert not functional_step.supports(torch.optim.Adam(p, lr=torch.tensor(0.01)))
     assert not functional_step.supports(torch.optim.SGD(p, lr=0.1, fused=True))
 
@@ -611,7 +614,6 @@ def _make_overridden(params):
 
 FALLBACK_CONFIGS = {
     "adagrad": lambda q: torch.optim.Adagrad(q, lr=0.1),
-    "adamw-fused": lambda q: torch.optim.AdamW(q, lr=0.01, weight_decay=0.1, fused=True),
     "sgd-fused": lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9, fused=True),
     "adamw-step-hooks": _make_hooked,
     "sgd-step-overridden": _make_overridden,
