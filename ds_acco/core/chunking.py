@@ -129,8 +129,13 @@ def window_size(window: Sequence[Piece]) -> int:
 
 
 def pieces_of(tensors: Sequence[torch.Tensor], window: Sequence[Piece]) -> List[torch.Tensor]:
-    """The window's pieces of flat ``tensors``, as views."""
-    return [tensors[p.index].narrow(0, p.start, p.n) for p in window]
+    """The window's pieces of flat ``tensors``: a tensor the window holds whole as it is, a part of
+    one as a view."""
+    out = []
+    for p in window:
+        t = tensors[p.index]
+        out.append(t if p.start == 0 and p.n == t.numel() else t.narrow(0, p.start, p.n))
+    return out
 
 
 def slots_in(buffer: torch.Tensor, window: Sequence[Piece]) -> List[torch.Tensor]:

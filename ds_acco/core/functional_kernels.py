@@ -31,8 +31,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` as a flat tensor outside autograd (a flat one that needs no grad as it is: views are
+    no kernels, but hundreds of them per round cost the lane's thread time)."""
     if not t.is_contiguous():
         raise ValueError(f"the {what} must be contiguous (chunks are flat views)")
+    if t.dim() == 1 and not t.requires_grad:
+        return t
     return t.detach().view(-1)
 
 
