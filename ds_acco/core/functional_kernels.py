@@ -163,9 +163,8 @@ def sgd(b: _Batch, commit: bool = False) -> List[torch.Tensor]:
     dampening, nesterov, maximize = group["dampening"], group["nesterov"], group["maximize"]
     grad = b.grad
     if maximize:
-        torch._foreach_copy_(b.scratch(0), grad)
-        torch._foreach_neg_(b.scratch(0))
-        grad = b.scratch(0)
+        grad = _into_scratch(b, grad)
+        torch._foreach_neg_(grad)
     if wd != 0:
         grad = _into_scratch(b, grad)
         torch._foreach_add_(grad, b.param, alpha=wd)

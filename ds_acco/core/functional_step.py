@@ -279,22 +279,19 @@ def _read_scalars(tensors: List[torch.Tensor], add: int = 0) -> List[float]:
 def _next_step_tensors(optimizer, items) -> dict:
     """Per item id, its fused Adam step count + 1 as the fused kernel reads it (a float32 tensor on
     the parameter's device); the state's own tensors are not written."""
-    out, existing = {}, []
-    ones = {}
+    dtype = _torch_optimizer._get_scalar_dtype(is_fused=True)
+    out, existing, ones = {}, [], {}
     for p, it in items:
         step = (optimizer.state.get(p) or {}).get("step")
+        device = it.param.device
         if torch.is_tensor(step):
             existing.append((it, step))
-        else:
-            device = it.param.device
-            if step is None:  # a new state's zero, incremented
-                if device not in ones:
-                    ones[device] = torch.ones((), dtype=_torch_optimizer._get_scalar_dtype(is_fused=True),
-                                              device=device)
-                out[id(it)] = ones[device]
-            else:
-                out[id(it)] = torch.tensor(float(step) + 1, dtype=_torch_optimizer._get_scalar_dtype(is_fused=True),
-                                           device=device)
+        elif step is not None:  # a count saved as a number
+            out[id(it)] = torch.tensor(float(step) + 1, dtype=dtype, device=device)
+        else:  # no state yet: its zero, incremented (one tensor per device: the kernel only reads it)
+            if device not in ones:
+                ones[device] = torch.ones((), dtype=dtype, device=device)
+            out[id(it)] = ones[device]
     if existing:
         for (it, _), nxt in zip(existing, torch._foreach_add([s for _, s in existing], 1)):
             out[id(it)] = nxt
