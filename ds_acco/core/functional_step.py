@@ -7,7 +7,10 @@ groups untouched. Nothing is snapshot: every state tensor is only read, a window
 ``chunk_elems`` elements at a time (:mod:`.chunking`; default: chosen for the device), and the
 temporaries are a fixed workspace of a few chunk-sized buffers (see :data:`WORKSPACE_BUFFERS`),
 whatever the size of the shard. Each operation of the step is one foreach (or fused) kernel per
-window and param group, however many parameter tensors the window spans.
+window and param group, however many parameter tensors the window spans. On CPU a foreach op runs
+the single-tensor op on each piece (checked bit-identical to both of torch's variants below); on
+CUDA they are the kernels of torch's foreach step (its default there), so an optimizer built with
+``foreach=False`` may differ from them by an ulp (not measured: no GPU was available).
 
 Supported (:func:`supports`), with the exact op sequence of each optimizer's own step:
 
