@@ -6,8 +6,8 @@ Memory: the round works inside B. Gradients are reduced in place (all-reduce + s
 an in-place reduce-scatter elsewhere) and divided in place; norms and the drift are summed window
 by window through a few chunk-sized buffers (chunking.py); the estimate writes θ̃ straight into
 this rank's segment of B's gather view (a functional step for SGD / Adam / AdamW, see
-functional_step.py) and the commit copies θ into it, and the all-gather runs in place. Shard-sized temporaries remain only where stock ZeRO-1 has
-them too: an fp32 copy of the gradient when gradients travel narrower than fp32 (DeepSpeed's
+functional_step.py) and the commit copies θ into it, and the all-gather runs in place.
+Shard-sized temporaries remain only where stock ZeRO-1 has them too: an fp32 copy of the gradient when gradients travel narrower than fp32 (DeepSpeed's
 fp32 gradient partition), and the wrapped optimizer's own step. An optimizer without a
 functional step pays a snapshot of the shard and its state for the estimate (shard_optimizer.py).
 
