@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ACCO_KEY = "acco"
 
@@ -77,11 +77,22 @@ class AccoConfig(BaseModel):
         False, description="Debug: run every round inline (no overlap); results are bit-identical.")
     comm_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for a communication round before raising.")
-    chunk_elements: int = Field(
-        1 << 21, ge=1024, description="Rounds work through a shard in chunks of at most this many elements "
-        "(gradient norm, drift metric, estimate step), and of at most 1/64 of a shard: the bound on their "
-        "temporaries. Default 2M elements (8 MB in fp32, 0.24% of a 7B model's shard on 8 ranks).")
+    chunk_elements: Union[Literal["auto"], int] = Field(
+        "auto", description="Rounds work through a shard in windows of at most this many elements (gradient "
+        "norm, drift metric, functional optimizer step): the bound on their temporaries (a few windows' worth), "
+        "and what their kernel count follows. 'auto': on CPU 2M elements and at most 1/64 of the shard "
+        "(not below 64K); on accelerators at least 64M elements, or the whole shard when its workspace fits in "
+        "1/16 of the free device memory. An integer >= 1024 overrides it.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
+
+    @field_validator("chunk_elements", mode="before")
+    @classmethod
+    def _chunk_elements(cls, v: Any) -> Any:
+        if v == "auto" and isinstance(v, str):
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1024:
+            raise ValueError("must be \"auto\" (chosen per device) or an integer number of elements >= 1024")
+        return v
 
     @classmethod
     def _coerce(cls, block: Mapping[str, Any]) -> dict:

@@ -85,6 +85,8 @@ def make_optimizer(name: str):
             # estimate steps from S_t amplify it; seen in a float64 reference with bf16-rounded
             # gradients, no ds_acco involved).
             return torch.optim.AdamW(param_groups(model), lr=0.05, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1)
+        if name == "adamw-fused":  # torch's fused kernel: a functional step of its own
+            return torch.optim.AdamW(param_groups(model), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1, fused=True)
         if name == "adamw1":  # one group, as DeepSpeed's config-built AdamW makes it
             return torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
         if name == "adam":

@@ -108,9 +108,10 @@ class _Event:
 
 
 class RecordingAccelerator:
-    """See the module docstring. ``tensor_device``: see ``__init__``. ``exclude_reads(tensor)``: True for host tensors whose reads are
-    not device synchronisations (e.g. torch Adam's ``step`` counts, CPU tensors by design), which
-    on CPU cannot be told apart from the pretend device's."""
+    """See the module docstring. ``tensor_device``: see ``__init__``. ``exclude_reads(tensor)``: True
+    for host tensors whose reads are not device synchronisations (e.g. torch Adam's ``step`` counts,
+    CPU tensors by design), which on CPU cannot be told apart from the pretend device's; a tensor
+    an op computed from such tensors alone is a host tensor too."""
 
     def __init__(self, inner: Any = None, device_type: str = "cuda", tensor_device: Optional[int] = None,
                  exclude_reads: Optional[Callable[[torch.Tensor], bool]] = None):
@@ -126,6 +127,7 @@ class RecordingAccelerator:
         self._lock = threading.RLock()
         self._local = threading.local()  # per thread: current device, current streams, recording depth
         self._defaults: Dict[Optional[int], _Stream] = {}
+        self._host: set = set()  # allocations computed from host tensors only (their reads are no syncs)
         self._streams: Dict[int, _Stream] = {}
 
     # -- the accelerator interface ------------------------------------------------------
@@ -302,6 +304,13 @@ class RecordingAccelerator:
             self.log.append(Entry("op", _thread(), stream=stream.id, what=what, accesses=tuple(accesses),
                                   fresh=tuple(fresh)))
 
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives on the host: excluded, or computed from excluded tensors only."""
+        if self.exclude_reads(t):
+            return True
+        span = _span(t)
+        return span is not None and span[0] in self._host
+
     def _read(self, what: str) -> None:
         with self._lock:
             self.log.append(Entry("read", _thread(), what=what))
@@ -379,6 +388,8 @@ class _OpRecorder(TorchDispatchMode):
                     if span is not None:
                         accesses.append(span + (write,))
                         inputs.add(span[0])
+        host = bool(inputs) and all(self.acc.is_host(t) for t in tree_flatten((args, kwargs))[0]
+                                    if isinstance(t, torch.Tensor))
         fresh, device = [], None
         for t in tree_flatten((args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
@@ -389,6 +400,10 @@ class _OpRecorder(TorchDispatchMode):
                 span = _span(t)
                 if span is not None and span[0] not in inputs:
                     fresh.append(span[0])
+                    if host:
+                        self.acc._host.add(span[0])
+                    else:
+                        self.acc._host.discard(span[0])
                     accesses.append(span + (True,))
         self.acc._op(str(func), accesses, fresh, device)
 
@@ -403,7 +418,7 @@ class _ReadRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if args and isinstance(args[0], torch.Tensor) and not self.acc.exclude_reads(args[0]):
+        if args and isinstance(args[0], torch.Tensor) and not self.acc.is_host(args[0]):
             if name in HOST_READS or (name == "to" and _to_host(args[1:], kwargs)):
                 self.acc._read(name)
         return func(*args, **kwargs)

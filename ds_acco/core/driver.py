@@ -116,8 +116,8 @@ class AccoDriver:
         self.monitor = monitor
         self.loss_scale = loss_scale
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params],
-                                              chunk_elems=config.chunk_elements)
+        # its window is set by the schedule (chunking.chunk_elements)
+        self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)

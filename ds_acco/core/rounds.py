@@ -3,13 +3,16 @@ gather. Everything here runs on the communication lane and touches only B, the s
 optimizer (and reads the live weights' shard for the drift metric).
 
 Memory: the round works inside B. Gradients are reduced in place (all-reduce + slice on gloo,
-an in-place reduce-scatter elsewhere) and divided in place; norms and the drift are summed chunk
-by chunk; the estimate writes θ̃ straight into this rank's segment of B's gather view (a
-functional step for SGD / Adam / AdamW, see functional_step.py) and the commit copies θ into it,
-and the all-gather runs in place. Shard-sized temporaries remain only where stock ZeRO-1 has
-them too: an fp32 copy of the gradient when gradients travel narrower than fp32 (DeepSpeed's
+an in-place reduce-scatter elsewhere) and divided in place; norms and the drift are summed window
+by window through a few chunk-sized buffers (chunking.py); the estimate writes θ̃ straight into
+this rank's segment of B's gather view (a functional step for SGD / Adam / AdamW, see
+functional_step.py) and the commit copies θ into it, and the all-gather runs in place.
+Shard-sized temporaries remain only where stock ZeRO-1 has them too: an fp32 copy of the gradient when gradients travel narrower than fp32 (DeepSpeed's
 fp32 gradient partition), and the wrapped optimizer's own step. An optimizer without a
 functional step pays a snapshot of the shard and its state for the estimate (shard_optimizer.py).
+
+Kernels: every elementwise pass is one foreach (or fused) kernel per window over all the shard's
+tensors, so a round's kernel count follows size / chunk, not the number of parameter tensors.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..comm import collectives
+from . import chunking
 from .phases import Tally
 from .shard_optimizer import global_norm_sq
 
@@ -170,26 +174,49 @@ def check_no_drain_abort(reports: Sequence[Sequence[float]]) -> None:
 
 def reduce_mean_grads(ctx: RoundContext, kind: RoundKind, denom) -> List[List[torch.Tensor]]:
     """Sum B's gradients over the ranks and divide this rank's shard by ``denom`` (a float, or a
-    0-dim float64 tensor on the device: the same quotients); per group the shard's gradients. In
-    place in B when gradients travel in fp32, else an fp32 copy of the shard (the optimizer steps
-    fp32 masters; stock ZeRO-1 makes the same copy)."""
+    0-dim float64 tensor on the device: the same quotients); per group the shard's gradients
+    (:func:`shard_mean`)."""
     out = []
     for g in ctx.groups:
         flat = g.reduce_view(kind)
         collectives.reduce_in_place(flat, ctx.rank, ctx.world, ctx.process_group, ctx.reduce_scatter)
-        views = g.shard_views(flat)
-        if views and views[0].dtype != torch.float32:
-            out.append([v.to(torch.float32).div_(denom) for v in views])
-        else:
-            out.append([v.div_(denom) for v in views])
+        out.append(shard_mean(g.shard_views(flat), denom))
     return out
+
+
+def shard_mean(views: List[torch.Tensor], denom: float) -> List[torch.Tensor]:
+    """This rank's reduced gradient shard ÷ ``denom``, as tensors shaped like ``views``: in place in B
+    when gradients travel in fp32, else in one fp32 copy of the shard (the optimizer steps fp32
+    masters; stock ZeRO-1 makes the same copy). One foreach kernel per operation, however many
+    parameter tensors the shard holds."""
+    if not views:
+        return []
+    if views[0].dtype != torch.float32:
+        fp32 = torch.empty(sum(v.numel() for v in views), dtype=torch.float32, device=views[0].device)
+        parts = [p.view(v.shape) for p, v in zip(fp32.split([v.numel() for v in views]), views)]
+        torch._foreach_copy_(parts, views)
+        views = parts
+    torch._foreach_div_(views, denom)
+    return views
+
+
+def clip_(grads: List[torch.Tensor], grad_norm: float, clip_grad: float) -> None:
+    """DeepSpeed's rule: divide by max(1, (norm + 1e-6) / clip), in place (one foreach kernel)."""
+    factor = max(1.0, (grad_norm + 1e-6) / clip_grad)
+    if factor > 1.0 and grads:
+        torch._foreach_mul_(grads, 1.0 / factor)
 
 
 def write_shards(ctx: RoundContext) -> None:
     """This rank's segment of B's gather view ← its shard values θ[r] (cast to the model dtype)."""
-    for g in ctx.groups:
-        for dst, src in zip(g.shard_views(g.gather_view()), g.shard_values()):
-            dst.copy_(src.reshape(-1))
+    _copy_shards(ctx, [v for g in ctx.groups for v in g.shard_views(g.gather_view())])
+
+
+def _copy_shards(ctx: RoundContext, dsts: List[torch.Tensor]) -> None:
+    """``dsts`` (flat, one per shard tensor of every group) ← the shard values, in one foreach kernel."""
+    srcs = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
+    if srcs:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def gather(ctx: RoundContext) -> None:
@@ -243,7 +270,8 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
             prev_drift = math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
         if per_rank is None:
             width, first = table.shape[1], len(host) - table.numel()
-            per_rank, reports = parse_table([host[first + r * width:first + (r + 1) * width] for r in range(ctx.world)])
+            per_rank, reports = parse_table([host[first + r * width:first + (r + 1) * width]
+                                             for r in range(ctx.world)])
             _check_counts(kind, step, per_rank, reports)
         grad_norm = math.sqrt(host[0]) if host[0] >= 0 else float("nan")  # the same on every rank: so is the skip
         skipped = not math.isfinite(grad_norm)
@@ -256,11 +284,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
             write_shards(ctx)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
         else:
             if ctx.clip_grad > 0:
-                # DeepSpeed's rule: divide by max(1, (norm + 1e-6) / clip).
-                factor = max(1.0, (grad_norm + 1e-6) / ctx.clip_grad)
-                if factor > 1.0:
-                    for t in flat_grads:
-                        t.mul_(1.0 / factor)
+                clip_(flat_grads, grad_norm, ctx.clip_grad)
             param_grads = [pg for g, gs in zip(ctx.groups, grads) for pg in g.param_grads(gs)]
             lr_factor = ctx.lr_factor(kind, sum(t.micro_batches for t in per_rank))
             with record_function(f"ACCO::{kind.value}_step"):
@@ -295,31 +319,30 @@ def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
     if not ctx.track_drift or ctx.world < 2:
         return None
     other = (ctx.rank + 1) % ctx.world
-    kept = []
-    for g in ctx.groups:
-        for dst, src in zip(g.shard_views(g.reduce_view(RoundKind.COMMIT), rank=other), g.shard_values()):
-            dst.copy_(src.reshape(-1))
-            kept.append(dst)
+    kept = [v for g in ctx.groups for v in g.shard_views(g.reduce_view(RoundKind.COMMIT), rank=other)]
+    _copy_shards(ctx, kept)
     return kept
 
 
 def _drift_sums(ctx: RoundContext, before: List[torch.Tensor]) -> torch.Tensor:
     """(‖θ̃_{t+1} − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖²) over all ranks, on the device (the next round reads
     them). θ̃_{t+1} is what the compute lane runs on during the commit phase: the live weights
-    (their shard is read here, not copied). Summed in fp64 through two reused chunk-sized buffers."""
+    (their shard is read here, not copied). Summed in fp64 window by window
+    (:func:`.chunking.windows`) through two reused chunk-sized buffers."""
     after = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
     estimate = [v for g in ctx.groups for v in g.live_shard_views()]
     device = before[0].device
-    size = min(ctx.chunk_elems, max(t.numel() for t in after))
+    numels = [t.numel() for t in after]
+    size = min(ctx.chunk_elems, sum(numels))
     a = torch.empty(size, dtype=torch.float64, device=device)
     b = torch.empty(size, dtype=torch.float64, device=device)
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for new, old, est in zip(after, before, estimate):
-        for start in range(0, new.numel(), size):
-            n = min(size, new.numel() - start)
-            x, y = a.narrow(0, 0, n).copy_(new.narrow(0, start, n)), b.narrow(0, 0, n)
-            y.copy_(est.narrow(0, start, n)).sub_(x)
-            sums[0] += torch.dot(y, y)
-            y.copy_(old.narrow(0, start, n)).sub_(x)
-            sums[1] += torch.dot(y, y)
+    for window in chunking.windows(numels, ctx.chunk_elems):
+        n = chunking.window_size(window)
+        x, y = a.narrow(0, 0, n), b.narrow(0, 0, n)
+        torch._foreach_copy_(chunking.slots_in(a, window), chunking.pieces_of(after, window))
+        for k, other in enumerate((estimate, before)):
+            torch._foreach_copy_(chunking.slots_in(b, window), chunking.pieces_of(other, window))
+            y.sub_(x)
+            sums[k] += torch.dot(y, y)
     return collectives.sum_scalars(sums, ctx.process_group)

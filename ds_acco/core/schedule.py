@@ -53,6 +53,7 @@ from torch.profiler import record_function
 
 from ..comm import collectives
 from ..comm.lane import CommLane, RoundHandle
+from . import chunking
 from .buffers import BufferGroup
 from .phases import FixedPhases, PhaseKind, PhaseRecord, Tally
 from .rounds import (DRAIN_ABORT, DRAIN_AT_FIELD, DRAIN_FIELD, REPORT_SIZE, DrainMismatchError, RoundContext,
@@ -68,7 +69,7 @@ class ScheduleOptions:
     clip_grad: float = 0.0  # clip each round's global mean gradient to this norm (0: off)
     nonfinite: str = "skip"  # 'skip' or 'raise' on a non-finite global mean gradient
     track_drift: bool = False  # measure the estimate drift in commit rounds (mode acco)
-    chunk_elems: int = 1 << 21  # bound on a round's temporaries (elements)
+    chunk_elems: Optional[int] = None  # a round's window (elements); None: per device (chunking.py)
     history: int = 4096  # phases kept for metrics
     lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
     nominal_phase: int = 0  # micro-batches per rank of a fixed-mode phase (the count lr_power compares to)
@@ -88,7 +89,7 @@ class ScheduleOptions:
         return cls(mode=acco.mode, phases=acco.phase_policy(gradient_accumulation_steps),
                    gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0),
                    nonfinite=acco.nonfinite, track_drift=acco.metrics.estimate_drift and acco.mode == "acco",
-                   chunk_elems=acco.chunk_elements,
+                   chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
                    lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
                              if acco.accumulation == "dynamic" else 0.0),
                    nominal_phase=acco.phase_length(gradient_accumulation_steps))
@@ -151,10 +152,10 @@ class AccoSchedule:
             nominal_phase_micro_batches=options.nominal_phase * world,
             commit_phases=2 if options.mode == "acco" else 1,
             read_counts_first=not isinstance(options.phases, FixedPhases))
-        # Temporaries run beside the compute lane's activations: a chunk is also kept to 1/64 of a
-        # shard, so small models do not pay the default chunk's megabytes.
-        segment = max(g.segment for g in self.groups)
-        self.context.chunk_elems = min(options.chunk_elems, max(1 << 16, segment // 64))
+        # The rounds' window: the user's, or chosen for the device and the shard (chunking.py).
+        device = self.groups[0].comm.device
+        self.context.chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in self.groups),
+                                                           options.chunk_elems, chunking.free_memory(device))
         shard_optimizer.chunk_elems = self.context.chunk_elems
         self.report = report
         self.on_commit = on_commit

@@ -4,15 +4,15 @@
 per-parameter state and the param-group settings bit for bit as they were, in one of two ways:
 
 * :meth:`ShardOptimizer.estimate_into`, for the optimizers :mod:`.functional_step` supports
-  (torch SGD/Adam/AdamW, DeepSpeedCPUAdam, DeepSpeed FusedAdam): θ̃ is computed out of place,
-  chunk by chunk, straight into the caller's buffers; the state is only read, and the extra
-  memory is a few chunk-sized temporaries (``chunk_elems``), whatever the shard size;
+  (torch SGD/Adam/AdamW, fused or not, DeepSpeedCPUAdam, DeepSpeed FusedAdam): θ̃ is computed
+  out of place, window by window, straight into the caller's buffers; the state is only read,
+  and the extra memory is a few chunk-sized temporaries (``chunk_elems``), whatever the shard size;
 * otherwise (any other optimizer, or ``estimate``): snapshot → real step → read → restore,
   which is optimizer-agnostic but costs, for the length of the round, one clone of the master
   shard plus one of every state tensor (12 bytes per element for fp32 Adam with amsgrad,
   8 for Adam, 4 for SGD with momentum).
 
-The commit of torch SGD/Adam/AdamW is functional too (in place, chunk by chunk, bit-identical to
+The commit of torch SGD/Adam/AdamW (fused or not) is functional too (in place, bit-identical to
 ``optimizer.step()``: :func:`.functional_step.commit_in_place`); other optimizers take their step.
 """
 from __future__ import annotations
@@ -23,8 +23,7 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 
 import torch
 
-from . import functional_step
-from .functional_step import DEFAULT_CHUNK_ELEMS
+from . import chunking, functional_step
 
 _GROUP_PARAMS = "params"
 _MISSING = object()
@@ -33,18 +32,19 @@ T = TypeVar("T")
 
 class ShardOptimizer:
     """Drives ``optimizer`` whose parameters are exactly ``params`` (this rank's shards: DeepSpeed's
-    fp32 master partitions, or FSDP's sharded parameters)."""
+    fp32 master partitions, or FSDP's sharded parameters). ``chunk_elems``: the functional steps'
+    window (None: chosen for the masters' device and size, :func:`.chunking.chunk_elements`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                 chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+                 chunk_elems: Optional[int] = None):
         self.optimizer = optimizer
         self.masters = list(params)
         owned = {id(p) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
         if owned != {id(m) for m in self.masters}:
             raise ValueError("the optimizer must own exactly the shard parameters")
-        if chunk_elems < 1:
+        if chunk_elems is not None and chunk_elems < 1:
             raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
-        self.chunk_elems = int(chunk_elems)
+        self.chunk_elems = chunk_elems
 
     @property
     def functional(self) -> bool:
@@ -66,10 +66,11 @@ class ShardOptimizer:
                lr_scale: float = 1.0, settings: Optional[Sequence[dict]] = None) -> Optional[T]:
         """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step) if given.
 
-        For torch SGD/Adam/AdamW the step is :func:`functional_step.commit_in_place`: bit-identical
-        to ``optimizer.step()``, but with chunk-sized temporaries only (torch's Adam step allocates
-        shard-sized ones, and the commit runs while the compute lane's activations are alive);
-        any other optimizer (DeepSpeed's Adams included) takes its real step.
+        For torch SGD/Adam/AdamW (fused or not) the step is :func:`functional_step.commit_in_place`:
+        bit-identical to ``optimizer.step()``, but with chunk-sized temporaries only (torch's
+        non-fused Adam step allocates shard-sized ones, and the commit runs while the compute
+        lane's activations are alive); any other optimizer (DeepSpeed's Adams included) takes its
+        real step.
 
         ``settings``: the param groups' settings the step uses (:meth:`settings`, captured when the
         round was launched; default: the current ones). ``lr_scale``: the step uses each group's
@@ -249,23 +250,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def global_norm_sq(grads: List[torch.Tensor], chunk_elems: Optional[int] = None) -> torch.Tensor:
     """Sum of squares of this rank's shard gradients, in fp64 (for a stable all-reduce).
 
-    A chunk of ``chunk_elems`` elements at a time goes through one reused fp64 buffer: the only
-    temporary is chunk-sized, never shard-sized (``g.double()`` would cost 8 bytes per element).
+    Window by window (:func:`.chunking.windows`; ``chunk_elems`` None: chosen for the device): the
+    window's pieces of every gradient are copied into one reused fp64 buffer (one foreach kernel)
+    and summed with one dot product. The only temporary is chunk-sized, never shard-sized
+    (``g.double()`` would cost 8 bytes per element), and the kernel count follows the windows,
+    not the number of gradient tensors.
     """
-    chunk = int(chunk_elems or DEFAULT_CHUNK_ELEMS)
+    flats = [_local(g).detach().reshape(-1) for g in grads]  # views for the contiguous shards we get
+    device = flats[0].device
+    total_elems = sum(f.numel() for f in flats)
+    chunk = chunk_elems if chunk_elems is not None else chunking.chunk_elements(device, total_elems)
     if chunk < 1:
         raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
-    device = _local(grads[0]).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     buf = None
-    for g in grads:
-        flat = _local(g).detach().reshape(-1)  # a view for the contiguous shards we get
-        for start in range(0, flat.numel(), chunk):
-            part = flat.narrow(0, start, min(chunk, flat.numel() - start))
-            if part.dtype != torch.float64:
-                if buf is None:
-                    buf = torch.empty(min(chunk, max(_local(x).numel() for x in grads)),
-                                      dtype=torch.float64, device=device)
-                part = buf.narrow(0, 0, part.numel()).copy_(part)
-            total += torch.dot(part, part)
+    for window in chunking.windows([f.numel() for f in flats], chunk):
+        if buf is None:
+            buf = torch.empty(min(chunk, total_elems), dtype=torch.float64, device=device)
+        torch._foreach_copy_(chunking.slots_in(buf, window), chunking.pieces_of(flats, window))
+        part = buf.narrow(0, 0, chunking.window_size(window))
+        total += torch.dot(part, part)
     return total

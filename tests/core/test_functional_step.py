@@ -31,6 +31,9 @@ TORCH_CONFIGS = {
     "adam-maximize-low-beta1": lambda p: torch.optim.Adam(p, lr=0.01, maximize=True, betas=(0.3, 0.9)),
     "adam-decoupled-flag": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
     "adamw-foreach-amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, amsgrad=True, foreach=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, fused=True),
+    "adam-fused-amsgrad-l2-maximize": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.1,
+                                                                 maximize=True, fused=True),
 }
 
 
@@ -165,7 +168,7 @@ def test_unsupported_settings_are_refused():
     p = [torch.randn(4, requires_grad=True)]
     assert not functional_step.supports(torch.optim.Adagrad(p))
     assert not functional_step.supports(torch.optim.RMSprop(p))
-    assert not functional_step.supports(torch.optim.AdamW(p, fused=True))
+    assert not functional_step.supports(torch.optim.AdamW(p, differentiable=True))
     assert not functional_step.supports(torch.optim.Adam(p, lr=torch.tensor(0.01)))
     assert not functional_step.supports(torch.optim.SGD(p, lr=0.1, fused=True))
 
@@ -181,7 +184,8 @@ MEM_CHUNK = 4096
 BIG = 1 << 20
 
 
-@pytest.mark.parametrize("name", ["adam-amsgrad-l2", "adamw-wd", "sgd-momentum-nesterov-wd"])
+@pytest.mark.parametrize("name", ["adam-amsgrad-l2", "adamw-wd", "sgd-momentum-nesterov-wd",
+                                  "adam-fused-amsgrad-l2-maximize"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_estimate_allocates_only_chunk_sized_temporaries(name, out_dtype):
     torch.manual_seed(5)
@@ -247,7 +251,8 @@ def test_shard_optimizer_estimate_into_uses_the_functional_path():
     assert all(torch.equal(o, c) and torch.equal(e, c) for o, e, c in zip(outs, old, committed))
 
 
-def test_fsdp2_dtensor_parameters_and_state():
+@pytest.mark.parametrize("fused", [False, True])
+def test_fsdp2_dtensor_parameters_and_state(fused):
     """FSDP2 hands the optimizer DTensor parameters (and so DTensor state): read via to_local()."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or dist.is_initialized():
@@ -263,15 +268,19 @@ def test_fsdp2_dtensor_parameters_and_state():
             torch.manual_seed(12)
             shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
             params = [torch.nn.Parameter(shard(torch.randn(33, 5))), torch.nn.Parameter(shard(torch.randn(7)))]
-            opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+            opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=fused)
+            ref = copy.deepcopy(opt)
+            ref_params = ref.param_groups[0]["params"]
             so = ShardOptimizer(opt, params, chunk_elems=16)
-            assert so.functional
+            assert so.functional and so.functional_commit
             for _ in range(3):
                 grads = [shard(torch.randn(p.shape)) for p in params]
                 outs = [torch.empty(p.to_local().numel(), dtype=torch.bfloat16) for p in params]
                 so.estimate_into(grads, outs)
                 committed = so.commit(grads, lambda: [p.to_local().reshape(-1).clone() for p in params])
                 assert all(torch.equal(o, c.to(torch.bfloat16)) for o, c in zip(outs, committed))
+                _real_step(ref, ref_params, grads)
+                assert all(torch.equal(p.to_local(), r.to_local()) for p, r in zip(params, ref_params))
             assert isinstance(opt.state[params[0]]["exp_avg"], type(params[0].data))
         finally:
             dist.destroy_process_group()
@@ -560,6 +569,36 @@ def test_shard_optimizer_commit_is_functional_and_exact():
         _assert_same_as_real(opt, [p], ref, [ref_p], f"step {step}")
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fused_adamw_is_functional_without_a_snapshot(amsgrad):
+    """torch's fused AdamW: the estimate runs its fused kernel on window copies (no snapshot of the
+    shard and its state, which cost 12 bytes per element with amsgrad), the commit runs it in place;
+    both bit-identical to the fused step, over windows that split the tensors."""
+    torch.manual_seed(19)
+    params = [torch.randn(n, requires_grad=True) for n in (BIG, 1031, 37)]
+    opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, amsgrad=amsgrad, fused=True)
+    ref = copy.deepcopy(opt)
+    ref_params = ref.param_groups[0]["params"]
+    so = ShardOptimizer(opt, params, chunk_elems=MEM_CHUNK)
+    assert so.functional and so.functional_commit
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        outs = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+        snap = _snapshot(opt, params)
+        with AllocCounter() as counter:
+            so.estimate_into(grads, outs)
+        _assert_unchanged(opt, params, snap)
+        assert counter.largest <= MEM_CHUNK, counter.report()  # the fallback cloned θ and the state
+        assert counter.total_bytes <= (4 if amsgrad else 3) * MEM_CHUNK * 4 + 64, counter.report()
+        with AllocCounter() as counter:
+            so.commit(grads)
+        if step:  # the first commit creates the state (as the real step does)
+            assert counter.total_bytes == 0, counter.report()
+        _real_step(ref, ref_params, grads)
+        _assert_same_as_real(opt, params, ref, ref_params, f"step {step}")
+        assert all(torch.equal(o, p.detach().to(torch.bfloat16)) for o, p in zip(outs, params))
+
+
 @pytest.mark.parametrize("via", ["commit_in_place", "shard_optimizer"])
 def test_commit_with_an_lr_scheduler_does_not_warn(via):
     """torch's schedulers warn on ``scheduler.step()`` before any ``optimizer.step()``: they look
@@ -611,7 +650,6 @@ def _make_overridden(params):
 
 FALLBACK_CONFIGS = {
     "adagrad": lambda q: torch.optim.Adagrad(q, lr=0.1),
-    "adamw-fused": lambda q: torch.optim.AdamW(q, lr=0.01, weight_decay=0.1, fused=True),
     "sgd-fused": lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9, fused=True),
     "adamw-step-hooks": _make_hooked,
     "sgd-step-overridden": _make_overridden,

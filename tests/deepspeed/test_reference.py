@@ -16,6 +16,7 @@ CASES = [
     {"name": "dpu-sgd-clip", "mode": "dpu", "optimizer": "sgd", "schedule": None, "clip": 0.05},
     {"name": "acco-ds-adamw-torch", "mode": "acco", "optimizer": "ds:adamw-torch", "ref": "adamw1", "schedule": None},
     {"name": "acco-ds-adamw-fused", "mode": "acco", "optimizer": "ds:adamw-fused", "ref": "adamw1", "schedule": None},
+    {"name": "acco-adamw-torch-fused", "mode": "acco", "optimizer": "adamw-fused", "ref": "adamw", "schedule": "inv"},
     {"name": "sync-adamw-sched", "mode": "sync", "optimizer": "adamw", "schedule": "inv"},
 ]
 

@@ -17,6 +17,7 @@ BAD = {
     "nonfinite": ["ignore", "Skip", 0, None],
     "synchronous": ["no", 0, 1, None, 0.0],
     "comm_timeout_s": [0, -1, -0.5, "60", None, True, [60]],
+    "chunk_elements": [0, 1023, -4096, "AUTO", "4096", 4096.0, None, True],
     "dynamic.min_micro_batches": [0, -3, 1.5, "2", None, True],
     "dynamic.max_micro_batches": [0, -1, 2.5, "8", True],
     "dynamic.check_every": [0, -2, 1.0, "1", None, False],
@@ -25,7 +26,7 @@ BAD = {
     "metrics.monitor": ["on", 0, None],
 }
 VALID_KEYS = ["enabled", "mode", "accumulation", "weighting", "nonfinite", "synchronous", "comm_timeout_s",
-              "dynamic", "metrics"]
+              "chunk_elements", "dynamic", "metrics"]
 NESTED_KEYS = {"dynamic": ["min_micro_batches", "max_micro_batches", "check_every"],
                "metrics": ["log_every", "estimate_drift", "monitor"]}
 

@@ -1,0 +1,143 @@
+"""How a round walks through this rank's shard: the chunk size for a device, and windows of at
+most one chunk over a list of tensors.
+
+A round's temporaries (the fp64 copy the gradient norm is summed from, the functional step's
+workspace, the drift metric's buffers) are a few chunk-sized buffers, whatever the shard size.
+Its kernel count follows the number of windows: every window is one foreach (or fused) kernel per
+operation over the pieces of all the tensors it spans, so hundreds of FSDP2 parameter tensors
+cost no more kernels than one flat DeepSpeed master of the same size.
+
+:func:`chunk_elements` is the one place that chooses the chunk:
+
+* an explicit ``acco.chunk_elements`` is taken as given;
+* CPU: 2 Mi elements, and at most 1/64 of the shard (not below 64 Ki), so small models do not pay
+  the default's megabytes beside the compute lane's activations;
+* accelerators: launches cost more than bytes there, so at least 64 Mi elements (a 7B model's
+  shard on 8 ranks is then 14 windows), and the whole shard at once when its workspace fits in a
+  small share of the device's free memory.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+CPU_CHUNK_ELEMS = 1 << 21
+"""CPU: 2 Mi elements, 8 MiB per fp32 buffer."""
+CPU_MIN_CHUNK_ELEMS = 1 << 16
+"""CPU: the 1/64-of-the-shard bound never goes below this."""
+ACCELERATOR_MIN_CHUNK_ELEMS = 1 << 26
+"""Accelerators: 64 Mi elements at least (256 MiB per fp32 buffer)."""
+WORKSPACE_BYTES_PER_ELEMENT = 24
+"""The most any round function holds per chunk element at once: DeepSpeedCPUAdam's emulation
+(four fp32 buffers and one fp64); torch Adam's estimate holds four fp32 buffers (16), the norm one
+fp64 buffer (8), the drift metric two (16)."""
+FREE_MEMORY_SHARE = 16
+"""Unchunked on an accelerator when the shard's workspace fits in 1/16 of the free memory measured
+at set-up (activations and lazily created optimizer state come later)."""
+ALIGN = 64
+"""Windows split a tensor only at multiples of this many elements from its start (when the chunk
+is at least that large): kernels that treat a tensor's last ``numel % vector width`` elements
+apart (torch's CPU fused Adam) then compute every element of a piece as they would in the whole
+tensor."""
+
+
+def chunk_elements(device: Union[torch.device, str], shard_elems: int, requested: Optional[int] = None,
+                   free_bytes: Optional[int] = None) -> int:
+    """Elements per chunk for a round over ``shard_elems`` elements on ``device``.
+
+    ``requested``: the user's ``acco.chunk_elements`` (None: chosen here). ``free_bytes``: the
+    device's free memory (:func:`free_memory`), if known. A result at least ``shard_elems`` means
+    unchunked: buffers are never larger than what a call walks through."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"chunk_elements = {requested!r}: must be a positive integer; fix: pass an integer "
+                             "number of elements, or None to choose per device")
+        return requested
+    shard = max(1, int(shard_elems))
+    if torch.device(device).type == "cpu":
+        return min(CPU_CHUNK_ELEMS, max(CPU_MIN_CHUNK_ELEMS, shard // 64))
+    if shard <= ACCELERATOR_MIN_CHUNK_ELEMS:
+        return ACCELERATOR_MIN_CHUNK_ELEMS  # unchunked
+    if free_bytes is None:
+        return ACCELERATOR_MIN_CHUNK_ELEMS
+    fits = free_bytes // (WORKSPACE_BYTES_PER_ELEMENT * FREE_MEMORY_SHARE)
+    if fits >= shard:
+        return shard  # unchunked
+    return max(ACCELERATOR_MIN_CHUNK_ELEMS, fits - fits % ALIGN)
+
+
+def free_memory(device: Union[torch.device, str]) -> Optional[int]:
+    """Free bytes on an accelerator now; None on the CPU, the meta device, or a backend that cannot
+    say (the chunk then takes the accelerator floor)."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return None
+    accel = getattr(torch, "accelerator", None)
+    query = getattr(accel, "get_memory_info", None) or getattr(getattr(torch, device.type, None), "mem_get_info",
+                                                             None)
+    if query is None:
+        return None
+    try:
+        return int(query(device)[0])
+    except (RuntimeError, ValueError, AssertionError):  # a backend without the query: choose without it
+        return None
+
+
+class Piece(NamedTuple):
+    """Part of one tensor inside a window."""
+    index: int  # which tensor of the list
+    start: int  # its first element in that tensor
+    n: int  # elements
+    at: int  # its first element in the window (where its workspace lies)
+
+
+def windows(numels: Sequence[int], chunk: int) -> Iterator[List[Piece]]:
+    """Consecutive windows of at most ``chunk`` elements over the tensors (sizes ``numels``) laid
+    end to end, in order: each window is the pieces it holds. A tensor is split only at multiples
+    of :data:`ALIGN` from its start (any position when ``chunk < ALIGN``)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    align = ALIGN if chunk >= ALIGN else 1
+    window: List[Piece] = []
+    used = 0
+    for index, numel in enumerate(numels):
+        start = 0
+        while start < numel:
+            room = chunk - used
+            n = numel - start
+            if n > room:
+                n = room - room % align
+            if n == 0:  # too little room left for an aligned piece: the next window takes it
+                yield window
+                window, used = [], 0
+                continue
+            window.append(Piece(index, start, n, used))
+            used += n
+            start += n
+            if used == chunk:
+                yield window
+                window, used = [], 0
+    if window:
+        yield window
+
+
+def window_size(window: Sequence[Piece]) -> int:
+    """Elements a window spans (its pieces are packed from 0)."""
+    last = window[-1]
+    return last.at + last.n
+
+
+def pieces_of(tensors: Sequence[torch.Tensor], window: Sequence[Piece]) -> List[torch.Tensor]:
+    """The window's pieces of flat ``tensors``: a tensor the window holds whole as it is, a part of
+    one as a view."""
+    out = []
+    for p in window:
+        t = tensors[p.index]
+        out.append(t if p.start == 0 and p.n == t.numel() else t.narrow(0, p.start, p.n))
+    return out
+
+
+def slots_in(buffer: torch.Tensor, window: Sequence[Piece]) -> List[torch.Tensor]:
+    """Each piece's place in a window-sized flat ``buffer``, as views."""
+    return [buffer.narrow(0, p.at, p.n) for p in window]
