@@ -13,7 +13,7 @@ Either way the result is bit-identical to torch's step (its single-tensor and fo
 compute the same ops in the same order).
 
 The per-tensor helpers at the end (``_chunks``, ``_state_flat``, ``_target``, ``_Workspace.get``)
-serve DeepSpeed's Adams (:mod:`.functional_deepspeed`), which stay per chunk: their emulation
+serve DeepSpeed's Adams (:mod:`ds_acco.deepspeed.functional`), which stay per chunk: their emulation
 needs float64 FMAs and a per-tensor SIMD tail, and DeepSpeed's masters are one flat tensor per
 param group, so their kernel count does not grow with the number of parameters anyway.
 """
@@ -299,7 +299,7 @@ def fused_adam_step(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_a
            maximize=group["maximize"], grad_scale=None, found_inf=None)
 
 
-# -- per-tensor chunks, for DeepSpeed's Adams (functional_deepspeed.py) ------------------------
+# -- per-tensor chunks, for DeepSpeed's Adams (ds_acco/deepspeed/functional.py) ---------------
 def _chunks(n: int, chunk: int):
     for s in range(0, n, chunk):
         yield s, min(chunk, n - s)

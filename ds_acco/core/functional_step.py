@@ -20,15 +20,9 @@ Supported (:func:`supports`), with the exact op sequence of each optimizer's own
   ``decoupled_weight_decay``), single-tensor and foreach, not capturable: bit-identical;
 * ``torch.optim.Adam`` / ``AdamW`` with ``fused=True``: torch's fused kernel itself, run on
   workspace copies of θ and the moments: bit-identical;
-* DeepSpeed's ``DeepSpeedCPUAdam`` (fp32 parameters and states): its AVX kernel's float ops,
-  each fused multiply-add emulated in float64 then rounded to float32 (bit-identical except,
-  with a probability of about 2^-28 per element and FMA, a double rounding off by one ulp);
-* DeepSpeed's ``FusedAdam`` (CUDA, fp32 parameters): its kernel's formulas in float32 as
-  written, every product and sum rounded, and its step counter (kept in the state of each
-  group's last parameter); nvcc may contract some of them into FMAs, so on CUDA results may
-  differ by an ulp or so (not measured: no GPU was available when this was written).
-  DeepSpeed's two stay per tensor and per chunk (their emulation is not expressible as foreach
-  ops); their masters are one flat tensor per param group.
+* optimizer classes an adapter registers with :func:`register_estimate` (the DeepSpeed adapter
+  registers DeepSpeed's ``DeepSpeedCPUAdam`` and ``FusedAdam``, ds_acco/deepspeed/functional.py;
+  the core itself knows no DeepSpeed class).
 
 Anything else (other optimizers or subclasses, torch's ``capturable``/``differentiable``
 variants, fused SGD, tensor learning rates or betas, complex or sparse tensors, AMP grad scaling
@@ -47,8 +41,7 @@ their real step: the C++ object's running β^t cannot be advanced from Python.
 """
 from __future__ import annotations
 
-import sys
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
@@ -64,26 +57,39 @@ dtype (the result is then computed in the output itself), fused Adam/AdamW 3 (4 
 DeepSpeedCPUAdam's emulation adds one float64 chunk buffer (its FMAs)."""
 
 _GROUP_PARAMS = "params"
-_FUSED_ADAM_DEVICES = ("cuda",)  # FusedAdam's op is CUDA-only (a test runs its emulation on CPU)
+
+
+class ExternalEstimate(Protocol):
+    """A functional estimate for an optimizer class the core does not know, registered by the
+    adapter that does (the DeepSpeed adapter registers DeepSpeed's Adams: ds_acco/deepspeed/functional.py)."""
+
+    def supports(self, optimizer) -> bool:
+        """Whether :meth:`estimate` reproduces this optimizer's step with its current settings."""
+
+    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: _Workspace) -> None:
+        """``ol ← Opt(θ, S, g)`` for each ``(param, flat param, flat grad, flat out, group)`` of ``items``
+        (``groups``: the param groups as the step reads them, :func:`step_groups`), chunk by chunk
+        through ``ws``; parameters and state are only read."""
+
+
+_EXTERNAL: Dict[type, ExternalEstimate] = {}
+
+
+def register_estimate(cls: type, estimate: ExternalEstimate) -> None:
+    """Give instances of exactly ``cls`` (not subclasses: they may change ``step()``) a functional
+    estimate. Idempotent."""
+    _EXTERNAL[cls] = estimate
 
 
 # -- which optimizers ------------------------------------------------------------------------
-def _deepspeed_class(module: str, name: str):
-    """The DeepSpeed class if its module is already imported (an instance implies it is)."""
-    mod = sys.modules.get(module)
-    return getattr(mod, name, None) if mod is not None else None
-
-
 def _kind(optimizer) -> Optional[str]:
     cls = type(optimizer)  # exact types only: a subclass may change step()
     if cls is torch.optim.SGD:
         return "sgd"
     if cls is torch.optim.Adam or cls is torch.optim.AdamW:
         return "adam"
-    if cls is _deepspeed_class("deepspeed.ops.adam.cpu_adam", "DeepSpeedCPUAdam"):
-        return "cpu_adam"
-    if cls is _deepspeed_class("deepspeed.ops.adam.fused_adam", "FusedAdam"):
-        return "fused_adam"
+    if cls in _EXTERNAL:
+        return "external"
     return None
 
 
@@ -91,7 +97,8 @@ def _is_float(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _plain_tensors(optimizer, dtypes=None, device_type=None) -> bool:
+def plain_tensors(optimizer, dtypes=None, device_type=None) -> bool:
+    """Every parameter is a dense real floating tensor (of ``dtypes``, on ``device_type`` if given)."""
     for g in optimizer.param_groups:
         for p in g[_GROUP_PARAMS]:
             t = _local(p)
@@ -123,13 +130,8 @@ def supports(optimizer) -> bool:
     if kind in ("sgd", "adam"):
         if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
             return False
-        return _plain_tensors(optimizer) and all(_torch_group_ok(g, kind) for g in optimizer.param_groups)
-    groups_ok = all(not g.get("amsgrad", False) and all(_is_float(g[k]) for k in ("lr", "eps", "weight_decay"))
-                    and all(_is_float(b) for b in g["betas"]) for g in optimizer.param_groups)
-    if kind == "cpu_adam":
-        return (groups_ok and getattr(optimizer, "fp32_optimizer_states", True)
-                and _plain_tensors(optimizer, (torch.float32,), "cpu") and _deepspeed_kernels()._cpu_adam_simd_width() > 0)
-    return groups_ok and all(_plain_tensors(optimizer, (torch.float32,), d) for d in _FUSED_ADAM_DEVICES)
+        return plain_tensors(optimizer) and all(_torch_group_ok(g, kind) for g in optimizer.param_groups)
+    return _EXTERNAL[type(optimizer)].supports(optimizer)
 
 
 # -- the entry point -------------------------------------------------------------------------
@@ -220,19 +222,12 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1
             chunk = max(chunk, chunking.ALIGN)  # the fused kernel's pieces must split at ALIGN
         _torch_estimate(optimizer, kind, items, chunk)
         return
-    ws = _Workspace(chunk)
-    ds = _deepspeed_kernels()
     flat_items = [(p, pl, g, ol, group) for p, pl, g, ol, (_, group) in items]
-    steps = ds._shared_steps(optimizer, kind, flat_items, groups)
-    for idx, (p, pl, g, ol, group) in enumerate(flat_items):
-        if g is None:
+    for p, pl, g, ol, _ in flat_items:
+        if g is None:  # no gradient: the step leaves the parameter as it is
             _copy_chunked(pl, ol, chunk)
-            continue
-        state = optimizer.state.get(p) or {}
-        if kind == "cpu_adam":
-            ds._cpu_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
-        else:
-            ds._fused_adam(pl, g, ol, group, state, steps[idx], optimizer.adam_w_mode, ws)
+    _EXTERNAL[type(optimizer)].estimate(optimizer, [it for it in flat_items if it[2] is not None], groups,
+                                        _Workspace(chunk))
 
 
 def _torch_estimate(optimizer, kind, items, chunk: int) -> None:
@@ -459,8 +454,3 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
-
-def _deepspeed_kernels():
-    """DeepSpeed's Adam kernels in Python (a module of their own; imported on first use)."""
-    from . import functional_deepspeed
-    return functional_deepspeed

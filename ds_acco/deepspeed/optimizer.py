@@ -19,6 +19,7 @@ from deepspeed.utils import logger
 from ..config import AccoConfig
 from ..core.buffers import FlatBuffers
 from ..core.driver import AccoDriver
+from . import functional  # noqa: F401 -- registers DeepSpeed's Adams' functional estimates with the core
 
 ACCO_STATE_KEY = "acco_state"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -326,6 +326,7 @@ def _cpu_adam_class():
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         from deepspeed.ops.op_builder import CPUAdamBuilder
+        import ds_acco.deepspeed.functional  # noqa: F401 -- the DeepSpeed adapter registers its Adams' estimates
     except Exception as e:  # pragma: no cover
         pytest.skip(f"DeepSpeed unavailable: {e}")
     builder = CPUAdamBuilder()
@@ -420,6 +421,7 @@ def test_deepspeed_fused_adam_emulation(monkeypatch):
     results by an ulp."""
     try:
         fused_adam = importlib.import_module("deepspeed.ops.adam.fused_adam")
+        ds_functional = importlib.import_module("ds_acco.deepspeed.functional")  # registers FusedAdam's estimate
     except Exception as e:  # pragma: no cover
         pytest.skip(f"DeepSpeed unavailable: {e}")
 
@@ -446,7 +448,7 @@ def test_deepspeed_fused_adam_emulation(monkeypatch):
 
     monkeypatch.setattr(fused_adam.FusedAdam, "__init__", fake_init)
     monkeypatch.setattr(fused_adam, "multi_tensor_applier", lambda op, noop, lists, *a: op(0, noop, lists, *a))
-    monkeypatch.setattr(functional_step, "_FUSED_ADAM_DEVICES", ("cpu",))
+    monkeypatch.setattr(ds_functional, "FUSED_ADAM_DEVICES", ("cpu",))
     for adam_w_mode in (True, False):
         torch.manual_seed(11)
         params = [torch.randn(n, requires_grad=True) for n in (1031, 37, 5)]

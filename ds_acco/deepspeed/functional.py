@@ -1,15 +1,52 @@
-"""DeepSpeed's Adam optimizers as functional steps (see :mod:`.functional_step`): DeepSpeedCPUAdam's
-AVX kernel and FusedAdam's CUDA kernel, transcribed op for op so that θ̃ equals what their step
-would compute."""
+"""DeepSpeed's Adam optimizers as functional estimates (see :mod:`ds_acco.core.functional_step`):
+DeepSpeedCPUAdam's AVX kernel and FusedAdam's CUDA kernel, transcribed op for op so that θ̃ equals
+what their step would compute. Registered with the core when this adapter is imported (the core
+knows no DeepSpeed class)."""
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
+from deepspeed.ops.adam.fused_adam import FusedAdam
 
-from .functional_kernels import _chunks, _state_flat, _target
-from .functional_step import _GROUP_PARAMS
+from ..core import functional_step
+from ..core.functional_kernels import _chunks, _state_flat, _target, _Workspace
+from ..core.functional_step import _GROUP_PARAMS, _is_float, plain_tensors
+
+FUSED_ADAM_DEVICES = ("cuda",)  # FusedAdam's op is CUDA-only (a test runs its emulation on CPU)
+
+
+def _adam_groups_ok(optimizer) -> bool:
+    return all(not g.get("amsgrad", False) and all(_is_float(g[k]) for k in ("lr", "eps", "weight_decay"))
+               and all(_is_float(b) for b in g["betas"]) for g in optimizer.param_groups)
+
+
+class _CpuAdamEstimate:
+    """DeepSpeedCPUAdam with fp32 parameters and states, built for AVX2 / AVX-512."""
+
+    def supports(self, optimizer) -> bool:
+        return (_adam_groups_ok(optimizer) and getattr(optimizer, "fp32_optimizer_states", True)
+                and plain_tensors(optimizer, (torch.float32,), "cpu") and _cpu_adam_simd_width() > 0)
+
+    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: _Workspace) -> None:
+        steps = _shared_steps(optimizer, "cpu_adam", items, groups)
+        for (p, pl, g, ol, group), step in zip(items, steps):
+            _cpu_adam(pl, g, ol, group, optimizer.state.get(p) or {}, step, optimizer.adam_w_mode, ws)
+
+
+class _FusedAdamEstimate:
+    """DeepSpeed's FusedAdam with fp32 parameters on CUDA."""
+
+    def supports(self, optimizer) -> bool:
+        return _adam_groups_ok(optimizer) and all(plain_tensors(optimizer, (torch.float32,), d)
+                                                  for d in FUSED_ADAM_DEVICES)
+
+    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: _Workspace) -> None:
+        steps = _shared_steps(optimizer, "fused_adam", items, groups)
+        for (p, pl, g, ol, group), step in zip(items, steps):
+            _fused_adam(pl, g, ol, group, optimizer.state.get(p) or {}, step, optimizer.adam_w_mode, ws)
 
 
 # -- DeepSpeedCPUAdam: Adam_Optimizer::Step_AVX (csrc/includes/cpu_adam.h) --------------------
@@ -51,7 +88,7 @@ _CPU_ADAM_MIRRORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _shared_steps(optimizer, kind: str, items, groups=None) -> List:
     """Per-item step data that depends on the other parameters of the call (``groups``: the param
-    groups as the step reads them, :func:`.functional_step.step_groups`; default the optimizer's)."""
+    groups as the step reads them, :func:`ds_acco.core.functional_step.step_groups`; default the optimizer's)."""
     groups = optimizer.param_groups if groups is None else groups
     if kind == "cpu_adam":
         mirror = _CPU_ADAM_MIRRORS.get(optimizer)
@@ -202,3 +239,7 @@ def _fused_adam(p, g, out, group, state, step, adam_w_mode, ws):
         torch.sub(pc, upd.mul_(lr), out=tgt)
         if tgt is not oc:
             oc.copy_(tgt)
+
+
+functional_step.register_estimate(DeepSpeedCPUAdam, _CpuAdamEstimate())
+functional_step.register_estimate(FusedAdam, _FusedAdamEstimate())

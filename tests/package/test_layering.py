@@ -1,0 +1,116 @@
+"""The layering of the package: the core and the lane know neither DeepSpeed nor FSDP, and no two
+modules import each other, directly or through others (static, every import statement counted,
+function-level ones included; ``if TYPE_CHECKING:`` blocks excluded)."""
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from timeouts import scaled
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "ds_acco"
+
+
+def _modules():
+    out = {}
+    for path in PKG.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path):
+    """(imported module name, line) of every import statement outside TYPE_CHECKING blocks."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module] if node.module else
+                            package[: len(package) - node.level + 1]) if node.level else node.module
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+            for s in subs:
+                yield s, node.lineno
+            if len(subs) < len(node.names):
+                yield base, node.lineno
+
+
+def _graph():
+    return {m: {t for t, _ in _imports(m, p) if t in MODULES and t != m} for m, p in MODULES.items()}
+
+
+def cycles(graph):
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert cycles(_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("layer", ["ds_acco.core", "ds_acco.comm"])
+def test_core_and_lane_import_neither_deepspeed_nor_the_adapters(layer):
+    banned = ("deepspeed", "ds_acco.deepspeed", "ds_acco.fsdp", "torch.distributed.fsdp")
+    found = [f"{m}:{line} imports {t}" for m, p in MODULES.items() if m == layer or m.startswith(layer + ".")
+             for t, line in _imports(m, p) if any(t == b or t.startswith(b + ".") for b in banned)]
+    assert found == []
+
+
+def test_the_core_runs_without_deepspeed_installed(tmp_path):
+    # A module finder that refuses deepspeed: the FSDP2 path must import and build without it.
+    code = (
+        "import sys\n"
+        "class NoDeepSpeed:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'deepspeed' or name.startswith('deepspeed.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, NoDeepSpeed())\n"
+        "import ds_acco, ds_acco.core.driver, ds_acco.core.schedule, ds_acco.comm.lane, ds_acco.fsdp\n"
+        "assert not any(m == 'deepspeed' or m.startswith('deepspeed.') for m in sys.modules)\n"
+        "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled(100))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
