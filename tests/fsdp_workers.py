@@ -16,12 +16,14 @@ def _rank() -> int:
 
 
 def sharded_tiny(mp: bool = False):
-    """TinyNet with fully_shard on each layer and on the root (2-rank CPU mesh)."""
+    """TinyNet with fully_shard on each layer and on the root, on a mesh of every rank: CPU under
+    gloo, the accelerator otherwise (scripts/gpu_check.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    device_type = "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator().type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     low = {True: torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
     policy = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
               else MixedPrecisionPolicy())
@@ -34,12 +36,12 @@ def sharded_tiny(mp: bool = False):
 
 def live_snapshot(model):
     """The weights the model computes with (FSDP's resident unsharded parameters), fp32 copies."""
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def master_snapshot(model):
     """The committed fp32 master θ, gathered from FSDP's sharded parameters (a collective)."""
-    return {n: p.full_tensor().detach().float().clone() for n, p in model.acco_test_masters.items()}
+    return {n: p.full_tensor().detach().float().cpu().clone() for n, p in model.acco_test_masters.items()}
 
 
 def build(case):
@@ -56,8 +58,9 @@ def build(case):
 
 def feed(model, acco, start, stop, on_micro_batch=None, sleep=0.0):
     losses = []
+    device = next(model.parameters()).device
     for i in range(start, stop):
-        loss = model(*batch(_rank(), i))
+        loss = model(*(t.to(device) for t in batch(_rank(), i)))
         acco.backward(loss)
         if sleep:
             time.sleep(sleep)
@@ -88,7 +91,7 @@ def run(case):
     acco.close()
     # after close the model is plain FSDP at the committed θ
     with torch.no_grad():
-        model(*batch(_rank(), 0))
+        model(*(t.to(next(model.parameters()).device) for t in batch(_rank(), 0)))
     out["after_close"] = live_snapshot(model)
     return out
 

@@ -18,28 +18,43 @@ def adam_step_counts(optimizer):
 
 
 def record_deepspeed(case: dict) -> dict:
-    """ZeRO-1 + ACCO with every lane stream, event and host read recorded; ``case``: gas, steps,
-    mode, synchronous, optimizer, mutate (None, or 'no-ready-wait' / 'no-done-wait': the lane
-    skips that wait, to show the checks catch it)."""
+    """ZeRO-1 + ACCO with every lane stream, event and host read recorded by a recording accelerator
+    pretending the CPU is a device (``case``: see :func:`train_recorded`)."""
+    return train_recorded(RecordingAccelerator(), case)
+
+
+def train_recorded(acc: RecordingAccelerator, case: dict, setup=None) -> dict:
+    """Train TinyNet through DeepSpeed's engine with ``acc`` as the lane's accelerator and every
+    micro-batch recorded; summarise what it recorded (:func:`_summary`).
+
+    ``case``: gas, steps, mode, synchronous, optimizer, clip, mutate (None, or 'no-ready-wait' /
+    'no-done-wait': the lane skips that wait, to show the checks catch it). ``setup(engine)`` runs
+    once before training (scripts/gpu_check.py widens the race windows there). The micro-batches go
+    to the engine's device, so ``acc`` may wrap a real accelerator."""
     import ds_acco.deepspeed.optimizer as ds_opt
     import os
     rank = int(os.environ["RANK"])
-    acc = RecordingAccelerator()
+    seam = ds_opt._stream_accelerator
     ds_opt._stream_accelerator = lambda device: acc
-    model = TinyNet(seed=0)
-    gas = case.get("gas", 4)
-    acco = {"enabled": True, "mode": case.get("mode", "acco"), "synchronous": case.get("synchronous", False)}
-    cfg = ds_config(gas, acco, clip=case.get("clip", 0.0))
-    opt = make_optimizer(case.get("optimizer", "adamw"))(model)
-    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
+    try:
+        model = TinyNet(seed=0)
+        gas = case.get("gas", 4)
+        acco = {"enabled": True, "mode": case.get("mode", "acco"), "synchronous": case.get("synchronous", False)}
+        cfg = ds_config(gas, acco, clip=case.get("clip", 0.0))
+        opt = make_optimizer(case.get("optimizer", "adamw"))(model)
+        engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
+    finally:
+        ds_opt._stream_accelerator = seam
     acc.exclude_reads = adam_step_counts(opt)
     _mutate(engine.optimizer.schedule.lane, case.get("mutate"))
+    if setup is not None:
+        setup(engine)
     losses = []
     n = gas * case.get("steps", 4)
+    data = [tuple(t.to(engine.device) for t in batch(rank, i)) for i in range(n)]
     with acc.recording():
-        for i in range(n):
+        for i, (x, y) in enumerate(data):
             acc.mark(f"start {i}")
-            x, y = batch(rank, i)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -48,7 +63,7 @@ def record_deepspeed(case: dict) -> dict:
     rounds = engine.optimizer.schedule.lane.rounds_submitted
     out = _summary(acc, n, rounds)
     with ds_acco.committed_weights(engine):
-        out["final"] = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+        out["final"] = {k: v.detach().cpu().clone() for k, v in engine.module.named_parameters()}
     out["losses"] = [float(v) for v in losses]
     engine.destroy()
     return out
@@ -84,7 +99,9 @@ def record_fsdp(case: dict) -> dict:
 
 
 def _summary(acc: RecordingAccelerator, micro_batches: int, rounds: int) -> dict:
-    compute = [[e.what for e in acc.host_syncs(thread="MainThread", between=(f"start {i}", f"end {i}"))]
+    """Host syncs per micro-batch on the compute side -- every thread but the lane's: on a device,
+    autograd runs backward on a thread of its own -- and on the lane; races; streams and waits."""
+    compute = [[e.what for e in acc.host_syncs(between=(f"start {i}", f"end {i}")) if e.thread != LANE_THREAD]
                for i in range(micro_batches)]
     lane = [e.what for e in acc.host_syncs(thread=LANE_THREAD)]
     return {"races": acc.races(), "compute_syncs": compute, "lane_syncs": lane, "rounds": rounds,

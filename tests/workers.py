@@ -9,7 +9,7 @@ from fixtures import TinyNet, TokenNet, batch, ds_config, make_optimizer, make_s
 
 
 def snapshot(module):
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
 
 
 def train(case: dict, use_ds_acco: bool = True):
@@ -60,7 +60,7 @@ def _train_loop(engine, case, rank, lane_log):
         dtype = next(engine.module.parameters()).dtype
         if lane_log is not None:
             lane_log.before_micro_batch(i)
-        loss = engine(x.to(dtype), y.to(dtype))
+        loss = engine(x.to(engine.device, dtype), y.to(engine.device, dtype))  # the device: scripts/gpu_check.py
         engine.backward(loss)
         if [rank, i] in [list(p) for p in case.get("inf_grad_at", ())]:
             # an infinite (not NaN) gradient entry on one rank: written into the accumulated gradient
@@ -105,7 +105,7 @@ def master_weights(engine):
     """The committed fp32 master θ (full, gathered from the ZeRO shards; a collective: every rank
     calls it). With bf16/fp16 weights this is θ_T itself; the module holds its rounding."""
     from deepspeed.utils import safe_get_full_fp32_param
-    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+    return {n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in engine.module.named_parameters()}
 
 
 def install_dynamic_scaler(engine, args: dict) -> None:

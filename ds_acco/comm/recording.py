@@ -5,7 +5,9 @@ its own it runs on CPU as if it were an asynchronous device: kernels execute at 
 stream, event record / wait and host synchronisation is logged, and every op a thread issues
 while recording is attributed to that thread's current stream with the byte ranges it reads and
 writes. With ``inner`` (a real accelerator: DeepSpeed's or :class:`.streams.TorchAccelerator`) it
-delegates and records the same log on the real device (``scripts/gpu_check.py``).
+delegates and records the same log on the real device (``scripts/gpu_check.py``); there host (CPU)
+tensors are left out: their ops run on the issuing thread at once (no stream to race on) and reading
+them waits for no kernel.
 
 From the log:
 
@@ -262,6 +264,10 @@ class RecordingAccelerator:
         return out
 
     # -- internals ----------------------------------------------------------------------
+    def _on_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is device memory: every tensor when pretending, else the non-CPU ones."""
+        return self.inner is None or t.device.type != "cpu"
+
     def _device(self) -> Optional[int]:
         return getattr(self._local, "device", None)
 
@@ -383,7 +389,7 @@ class _OpRecorder(TorchDispatchMode):
         for arg, value in named:
             write = (arg.name in _C10D_WRITES) if c10d else bool(arg.alias_info is not None and arg.alias_info.is_write)
             for t in tree_flatten(value)[0]:
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and self.acc._on_device(t):
                     span = _span(t)
                     if span is not None:
                         accesses.append(span + (write,))
@@ -396,7 +402,7 @@ class _OpRecorder(TorchDispatchMode):
                 device = t.device.index
                 break
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and self.acc._on_device(t):
                 span = _span(t)
                 if span is not None and span[0] not in inputs:
                     fresh.append(span[0])
@@ -418,7 +424,8 @@ class _ReadRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if args and isinstance(args[0], torch.Tensor) and not self.acc.is_host(args[0]):
+        if args and isinstance(args[0], torch.Tensor) and self.acc._on_device(args[0]) \
+                and not self.acc.is_host(args[0]):
             if name in HOST_READS or (name == "to" and _to_host(args[1:], kwargs)):
                 self.acc._read(name)
         return func(*args, **kwargs)

@@ -133,6 +133,22 @@ def test_a_failed_round_synchronises_its_stream_before_the_error_is_handed_on():
     assert seen == [False]  # synchronised once, before the future resolved
 
 
+def test_on_a_real_device_host_tensors_are_neither_raced_nor_read():
+    # With a real accelerator inside (scripts/gpu_check.py), CPU tensors are host memory: their ops
+    # run at once on their thread (no stream to race on) and reading them waits for no kernel.
+    class Host:  # what the recording asks of the real accelerator here
+        def current_stream(self, index=None):
+            return None
+    real, pretend = RecordingAccelerator(inner=Host()), RecordingAccelerator()
+    for acc in (real, pretend):
+        with acc.recording():
+            torch.ones(3).add_(1).sum().item()
+    assert [e.what for e in real.log if e.kind == "read"] == []
+    assert all(e.accesses == () for e in real.log if e.kind == "op")
+    assert [e.what for e in pretend.log if e.kind == "read"] == ["item"]
+    assert all(e.accesses for e in pretend.log if e.kind == "op")
+
+
 def test_done_is_a_query_of_the_device():
     acc = _recorder()
     lane = _lane(acc)

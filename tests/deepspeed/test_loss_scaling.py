@@ -13,17 +13,13 @@ round divides by the scale G carried when it was packed. An overflow skips the r
    overflows first; the skipped steps, the scale trajectory (replayed with DeepSpeed's scaler)
    and the committed θ (vs the float64 reference with the same skips) are checked.
 """
-import math
-
 import pytest
 import torch
-from deepspeed.runtime.fp16 import loss_scaler
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
 import fsdp_workers
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer
-from reference import mode_references, nearest_own_reference, reference_run
+from reference import check_real_fp16, replay_scales
 
 GAS, STEPS = 4, 6
 SIM = {"init_scale": 2.0 ** 8, "scale_window": 2, "min_scale": 1, "delayed_shift": 1,
@@ -63,18 +59,6 @@ def runs(tmp_path_factory):
             "real_ds": out["ds"][-1], "real_fsdp": out["fsdp"], "fsdp_ckpt": [o["fsdp_ckpt"] for o in outs]}
 
 
-def replay_scales(skipped_flags, **args):
-    """DeepSpeed's scaler fed the same per-step overflow flags: the scale after each step."""
-    from unittest import mock
-    scaler = DynamicLossScaler(**args)
-    out = []
-    with mock.patch.object(loss_scaler.dist, "get_rank", return_value=1):  # its log line asks for a rank
-        for flag in skipped_flags:
-            scaler.update_scale(flag)
-            out.append(scaler.cur_scale)
-    return out
-
-
 @pytest.mark.parametrize("name", list(SIM_CASES))
 def test_scaled_run_is_bit_identical_to_unscaled(runs, name):
     plain, scaled = runs["plain"][name], runs["scaled"][name]
@@ -106,30 +90,8 @@ def test_real_fp16_skips_overflows_and_matches_the_reference(runs, which):
     run = runs[which]
     if which == "real_ds":
         assert run["param_dtype"] == "torch.float16"  # FSDP2: fp16 compute copies of fp32 sharded params
-    flags = [m["skipped"] for m in run["metrics"]]
-    args = {"init_scale": 2.0 ** FP16["initial_scale_power"], "scale_window": FP16["loss_scale_window"],
-            "min_scale": FP16["min_loss_scale"], "delayed_shift": FP16["hysteresis"], "consecutive_hysteresis": False}
-    assert [m["loss_scale"] for m in run["metrics"]] == replay_scales(flags, **args)
-    skipped_commits = tuple(m["step"] - 1 for m in run["metrics"] if m["skipped"])
-    assert 1 <= len(skipped_commits) < REAL_STEPS and run["skipped_steps"] == len(skipped_commits)
-    assert flags.count(False) >= REAL_STEPS // 2  # the scale came down to ones that fit fp16
-    skipped_estimates = tuple(step for (kind, step), skipped in run["rounds"] if kind == "estimate" and skipped)
-    assert all(torch.isfinite(t).all() for t in run["final"].values())
-    want = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=REAL_STEPS, mode="acco",
-                         make_optimizer=make_optimizer("sgd"), skip_estimate=skipped_estimates,
-                         skip_commit=skipped_commits)
-    # 5e-3 alone would not tell ACCO from stock ZeRO-1 (7.5e-3 apart here): the committed fp32 master
-    # must be clearly nearest to ACCO's θ_T, every reference taking the same skipped steps.
-    refs = mode_references(TinyNet(seed=0), batch, world=2, gas=GAS, steps=REAL_STEPS,
-                           make_optimizer=make_optimizer("sgd"), skip_estimate=skipped_estimates,
-                           skip_commit=skipped_commits)
-    nearest_own_reference(run["final_fp32"], refs, "acco", label=f"{which} (fp16)")
-    num = math.sqrt(sum(float((run["final"][n].double() - want[n]).pow(2).sum()) for n in want))
-    den = math.sqrt(sum(float(want[n].pow(2).sum()) for n in want))
-    # fp16 compute: ~1e-3 relative; an unscaled or mixed-scale update would be off by factors of 2
-    assert num / den < 5e-3, (num / den, skipped_commits, skipped_estimates)
-    print(f"{which}: skipped commits {skipped_commits}, estimates {skipped_estimates}, "
-          f"scales {[m['loss_scale'] for m in run['metrics']]}, rel. error vs reference {num / den:.2e}")
+    check_real_fp16(run, TinyNet(seed=0), batch, world=2, gas=GAS, steps=REAL_STEPS, fp16=FP16,
+                    make_optimizer=make_optimizer("sgd"), label=f"{which} (fp16)")
 
 
 def test_real_fp16_fsdp_resumes_bit_identically(runs):
