@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -32,14 +33,14 @@ import torch.distributed as dist
 
 from ..comm import collectives
 from ..comm.lane import CommLane
-from ..metrics import REPORT_FIELDS, StepMetrics, format_line, scalar_items
+from ..metrics import StepMetrics, format_line, scalar_items
 from .buffers import BufferGroup
+from .report import RoundReport
 from .rounds import RoundKind, RoundResult
 from .schedule import AccoSchedule, ScheduleOptions
 from .shard_optimizer import ShardOptimizer
 
 logger = logging.getLogger("ds_acco")
-STOP_FIELD = len(REPORT_FIELDS)  # index of the stop request in a round's peer report
 
 
 def accelerator_for(device: torch.device):
@@ -240,17 +241,13 @@ class AccoDriver:
             self.log(format_line(record))
 
     # -- stopping on SIGTERM: every rank at the same round ---------------------------------------
-    def _report(self):
-        # Travels with each round to every rank: this rank's metrics, then its stop request.
-        return self.metrics.report() + [float(self.stop_requested)]
+    def _report(self) -> RoundReport:
+        # Travels with each round to every rank: this rank's metrics and its stop request.
+        return dataclasses.replace(self.metrics.report(), stop=self.stop_requested)
 
     def stop_requested_by_any_rank(self) -> bool:
         """Whether a round collected so far carried a stop request from some rank."""
-        for r in self.schedule.recent_rounds:
-            if r.peer_report is not None and r.peer_report.shape[1] > STOP_FIELD and bool(
-                    (r.peer_report[:, STOP_FIELD] > 0).any()):
-                return True
-        return False
+        return any(p.stop for r in self.schedule.recent_rounds for p in (r.peer_report or ()))
 
     def install_sigterm(self, save: Optional[Callable[[str], None]] = None) -> None:
         """Honour ``acco.sigterm``: on SIGTERM only flag the request (it rides along with this

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 
 from ..comm import collectives
 from .phases import Tally
+from .report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 from .shard_optimizer import global_norm_sq
 
 
@@ -34,14 +35,6 @@ class NonFiniteGradientError(FloatingPointError):
 class RoundKind(str, enum.Enum):
     ESTIMATE = "estimate"
     COMMIT = "commit"
-
-
-REPORT_SIZE = 7  # floats each rank may send along with a round (metrics, a stop request, a drain)
-# The schedule's own fields (dynamic mode), last: the drain a rank is in (its number, 0 outside a
-# drain, DRAIN_ABORT for "the ranks drained different numbers of times") and its micro-batch count then.
-DRAIN_AT_FIELD = REPORT_SIZE - 2
-DRAIN_FIELD = REPORT_SIZE - 1
-DRAIN_ABORT = -1.0
 
 
 class DrainMismatchError(Exception):
@@ -59,7 +52,7 @@ class RoundResult:
     per_rank: List[Tally]  # every rank's (gathered in the round: no extra collective)
     grad_norm: float  # norm of the global mean gradient, before clipping
     drift: Optional[float] = None  # commit rounds in mode acco: ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖
-    peer_report: Optional[torch.Tensor] = None  # (world, k) compute-lane figures each rank sent along
+    peer_report: Optional[List[RoundReport]] = None  # what each rank sent along (by rank)
     started_at: float = 0.0
     finished_at: float = 0.0
     wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
@@ -83,15 +76,17 @@ class RoundResult:
         """Plain types only, so checkpoints load without unpickling our classes."""
         return {"kind": self.kind.value, "step": self.step, "local": (self.local.micro_batches, self.local.weight),
                 "per_rank": [(t.micro_batches, t.weight) for t in self.per_rank], "grad_norm": self.grad_norm,
-                "drift": self.drift, "peer_report": self.peer_report, "started_at": self.started_at,
-                "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
+                "drift": self.drift, "started_at": self.started_at, "finished_at": self.finished_at,
+                "wait_s": self.wait_s, "collected_at": self.collected_at,
+                "peer_report": None if self.peer_report is None else [r.to_dict() for r in self.peer_report],
                 "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RoundResult":
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
-                   d["grad_norm"], d["drift"], d["peer_report"], d["started_at"], d["finished_at"], d["wait_s"],
-                   d["collected_at"], d.get("skipped", False), d.get("lr_factor", 1.0), d.get("lr"))
+                   d["grad_norm"], d["drift"], reports_from_checkpoint(d["peer_report"]), d["started_at"],
+                   d["finished_at"], d["wait_s"], d["collected_at"], d.get("skipped", False),
+                   d.get("lr_factor", 1.0), d.get("lr"))
 
 
 @dataclass
@@ -121,25 +116,21 @@ class RoundContext:
         return (micro_batches / (self.nominal_phase_micro_batches * phases)) ** self.lr_power
 
 
-def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
-    """Every rank's counts and report in one small all-gather: (per-rank tallies, (world, k) reports)."""
+def exchange_tallies(ctx: RoundContext, local: Tally, report: RoundReport):
+    """Every rank's counts and report in one small all-gather: (per-rank tallies, per-rank reports)."""
     device = ctx.groups[0].comm.device
-    if len(report) > REPORT_SIZE:  # never truncate: a dropped field would be a silent protocol change
-        raise ValueError(f"a round's report has {len(report)} floats, at most {REPORT_SIZE} travel")
-    mine = torch.zeros(2 + REPORT_SIZE, dtype=torch.float64, device=device)
-    mine[0], mine[1] = local.micro_batches, local.weight
-    mine[2:2 + len(report)] = torch.tensor(list(report)[:REPORT_SIZE], dtype=torch.float64)
+    mine = torch.tensor([local.micro_batches, local.weight] + report.pack(), dtype=torch.float64, device=device)
     table = torch.empty(ctx.world * mine.numel(), dtype=torch.float64, device=device)
     collectives.gather_shards(mine, table, ctx.process_group)
     table = table.view(ctx.world, -1).cpu()
-    return [Tally(int(row[0]), float(row[1])) for row in table], table[:, 2:]
+    return [Tally(int(row[0]), float(row[1])) for row in table], type(report).unpack(table[:, 2:])
 
 
-def check_no_drain_abort(reports: torch.Tensor) -> None:
+def check_no_drain_abort(reports: Sequence[RoundReport]) -> None:
     """Raise :class:`DrainMismatchError` when a rank filled this slot to report that the ranks'
     drains do not pair up (its own error says which); every rank then stops at this slot."""
-    if reports.shape[1] > DRAIN_FIELD and bool((reports[:, DRAIN_FIELD] == DRAIN_ABORT).any()):
-        ranks = [r for r in range(reports.shape[0]) if float(reports[r, DRAIN_FIELD]) == DRAIN_ABORT]
+    ranks = [r for r, report in enumerate(reports) if report.drain == DRAIN_ABORT]
+    if ranks:
         raise DrainMismatchError(
             f"ACCO dynamic mode: rank(s) {ranks} found that the ranks drained (committed_weights, "
             "save_checkpoint, evaluation) a different number of times -- see that rank's error; fix: drain on "
@@ -175,7 +166,7 @@ def gather(ctx: RoundContext) -> None:
         collectives.gather_in_place(g.gather_view(), ctx.rank, ctx.world, ctx.process_group, ctx.chunk_elems)
 
 
-def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Sequence[float],
+def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Optional[RoundReport],
               loss_scale: float, exchanged: Optional[tuple] = None,
               settings: Optional[Sequence[dict]] = None) -> RoundResult:
     """One round (ACCO.md): mean gradient over all ranks, one optimizer step on the shard --
