@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import signal
 import threading
 import weakref
@@ -63,6 +64,21 @@ def check_same_on_all_ranks(settings: dict, what: str) -> None:
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
         raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
+
+
+def one_connection_warning(device: torch.device, synchronous: bool) -> Optional[str]:
+    """The warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with asynchronous rounds on an accelerator
+    (None when it does not apply): what it costs and the fix."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    if device.type == "cpu" or synchronous or not value.isdigit() or int(value) != 1:
+        return None
+    return ("ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron sets it) gives the device one hardware queue: the "
+            "communication lane's side stream and the compute stream share it, so a round's collectives run "
+            "serialised with the compute kernels and the overlap ACCO exists for is lost; and a collective the "
+            "compute thread issues on another process group while a round is in flight can queue behind the "
+            "round's kernels on one rank and ahead of them on another, a deadlock across ranks; fix: unset "
+            "CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (ACCO runs data parallelism only; Megatron needs it for "
+            "tensor-parallel overlap), or set acco.synchronous = true")
 
 
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
@@ -124,6 +140,9 @@ class AccoDriver:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params],
                                               chunk_elems=config.chunk_elements)
+        warning = one_connection_warning(device, config.synchronous)
+        if warning is not None and dist.get_rank() == 0:
+            logger.warning(warning)
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)
