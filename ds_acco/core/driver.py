@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
+from ..comm.groups import destroyable, new_rounds_group
 from ..comm.lane import CommLane
 from ..metrics import StepMetrics, format_line, scalar_items
 from .buffers import BufferGroup
@@ -52,15 +53,16 @@ def accelerator_for(device: torch.device):
     return get_accelerator()
 
 
-def check_same_on_all_ranks(settings: dict, what: str) -> None:
+def check_same_on_all_ranks(settings: dict, what: str, group=None) -> None:
     """Refuse a run whose ranks disagree on ``settings`` (e.g. ACCO enabled on one rank only):
-    they would issue different collectives and hang. One small collective on the default group;
+    they would issue different collectives and hang. One small collective on ``group``, the
+    data-parallel group (None: the default group), whose ranks are the ones that build the engine;
     the caller has set the rank's device first (NCCL stages objects on the current device)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     mine = json.dumps(settings, sort_keys=True, default=str)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
         raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
@@ -148,7 +150,7 @@ class AccoDriver:
         rank = dist.get_rank(group=process_group)
         # The rounds' own group: they run on the lane's thread, and gloo matches collectives by
         # issue order per group.
-        self.process_group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=config.comm_timeout_s))
+        self.process_group = new_rounds_group(ranks, timedelta(seconds=config.comm_timeout_s))
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
                              accelerator=accelerator_for(device), device=device)
         self.metrics = StepMetrics(config.mode)
@@ -475,7 +477,7 @@ def _destroy_group(pg) -> None:
     """Local, no collective. Safe beside the main thread building the next engine's group:
     torch's registry of groups is plain dicts, changed key by key under the GIL. Not beside a
     concurrent ``destroy_process_group()`` of the whole world: destroy() engines before that."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or not destroyable(pg):
         return
     try:
         dist.destroy_process_group(pg)
