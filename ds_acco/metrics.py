@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Deque, Dict, Iterable, List, Optional
+from typing import Deque, Dict, Iterable, Optional
 
 from .core.phases import PhaseRecord
+from .core.report import RoundReport
 from .core.rounds import RoundKind, RoundResult
-
-# What each rank sends along with a round (at most rounds.REPORT_SIZE floats).
-REPORT_FIELDS = ("exposed_comm_s", "comm_s", "micro_batches", "step_time_s")
 
 
 class StepMetrics:
@@ -25,12 +23,14 @@ class StepMetrics:
         self.records: Deque[Dict] = collections.deque(maxlen=history)
         self._last_commit_at: Optional[float] = None
 
-    def report(self) -> List[float]:
-        """This rank's figures for the last committed step, sent along with the next round."""
+    def report(self) -> RoundReport:
+        """This rank's figures for the last committed step, sent along with the next round (NaN
+        before the first)."""
         if not self.records:
-            return [math.nan] * len(REPORT_FIELDS)
+            return RoundReport()
         last = self.records[-1]
-        return [float(last[k]) for k in REPORT_FIELDS]
+        return RoundReport(exposed_comm_s=last["exposed_comm_s"], comm_s=last["comm_s"],
+                           micro_batches=float(last["micro_batches"]), step_time_s=last["step_time_s"])
 
     def on_commit(self, commit: RoundResult, rounds: Iterable[RoundResult], phases: Iterable[PhaseRecord],
                   lr: Optional[float] = None, loss_scale: Optional[float] = None) -> Dict:
@@ -73,12 +73,11 @@ class StepMetrics:
             rec["lr_factor"] = commit.lr_factor  # dynamic lr_scaling: the commit step used lr × this
         if loss_scale is not None:
             rec["loss_scale"] = loss_scale  # fp16: the scale after this step's update
-        rows = commit.peer_report
-        if rows is not None and all(len(row) >= len(REPORT_FIELDS) for row in rows):
-            if not any(math.isnan(row[0]) for row in rows):  # a rank had no committed step yet
-                rec["prev_step_exposed_comm_s_per_rank"] = [float(row[0]) for row in rows]
-                rec["prev_step_micro_batches_per_rank"] = [int(row[2]) for row in rows]
-                rec["prev_step_exposed_comm_s_max"] = max(float(row[0]) for row in rows)
+        peers = commit.peer_report
+        if peers and not any(math.isnan(p.exposed_comm_s) for p in peers):  # NaN: a rank had no committed step yet
+            rec["prev_step_exposed_comm_s_per_rank"] = [p.exposed_comm_s for p in peers]
+            rec["prev_step_micro_batches_per_rank"] = [int(p.micro_batches) for p in peers]
+            rec["prev_step_exposed_comm_s_max"] = max(p.exposed_comm_s for p in peers)
         self.records.append(rec)
         return rec
 

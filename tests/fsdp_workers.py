@@ -1,6 +1,7 @@
 """Functions that run inside spawned ranks for tests/test_fsdp.py (the FSDP2 adapter)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -15,15 +16,16 @@ def _rank() -> int:
     return int(os.environ["RANK"])
 
 
-def sharded_tiny(mp: bool = False):
-    """TinyNet with fully_shard on each layer and on the root, on a mesh of every rank: CPU under
-    gloo, the accelerator otherwise (scripts/gpu_check.py)."""
+def sharded_tiny(mp: bool = False, mesh=None):
+    """TinyNet with fully_shard on each layer and on the root (default: a mesh over every rank: CPU
+    under gloo, the accelerator otherwise, see scripts/gpu_check.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    device_type = "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator().type
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh is None:
+        device_type = "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator().type
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     low = {True: torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
     policy = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
               else MixedPrecisionPolicy())
@@ -44,9 +46,9 @@ def master_snapshot(model):
     return {n: p.full_tensor().detach().float().cpu().clone() for n, p in model.acco_test_masters.items()}
 
 
-def build(case):
+def build(case, mesh=None):
     from ds_acco.fsdp import AccoFSDP
-    model = sharded_tiny(case.get("mp", False))
+    model = sharded_tiny(case.get("mp", False), mesh)
     # FSDP's sharded fp32 parameters (the ones the optimizer steps): the committed master θ
     model.acco_test_masters = dict(model.named_parameters())
     opt = make_optimizer(case["optimizer"])(model)
@@ -218,3 +220,129 @@ def loss_scaling(ds_cases, fsdp_case, ckpt_dir, save_at, total):
     out = {"ds": workers.train_cases(ds_cases), "fsdp": fp16_run(fsdp_case)}
     out["fsdp_ckpt"] = checkpoint_runs(fsdp_case, ckpt_dir, save_at, total)
     return out
+
+
+def data_parallel_meshes(case, layout):
+    """ACCO FSDP2 training on a data-parallel mesh laid out as ``layout``:
+
+    - 'world': a 1-D mesh over every rank (2 ranks: the reference);
+    - 'subset': ranks 0 and 1 of 3 train over a mesh of their own; rank 2 builds nothing (it only
+      enters the mesh group's creation, which torch requires of every rank);
+    - '2d': a (dp 2, tp 2) mesh of 4 ranks, each rank's model sharded over its 'dp' sub-mesh
+      ({0, 2} and {1, 3}), each data-parallel group trained on the reference's data.
+
+    Then every rank creates one more group over the whole world and sums its rank over it: the
+    ranks still agree on the names of the groups they create together. 'world' also closes a
+    second AccoFSDP whose round in flight failed (acco.nonfinite 'raise')."""
+    from datetime import timedelta
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if layout == "subset":
+        pair = dist.new_group([0, 1])
+        mesh = DeviceMesh.from_group(pair, "cpu") if rank in (0, 1) else None
+    elif layout == "2d":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"]
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    out = {"rank": rank}
+    if mesh is not None:
+        with _late_rounds_group(layout == "2d" and rank == 1):  # after the other group's
+            model, acco = build(case, mesh)
+        dp_rank = dist.get_rank(mesh.get_group())
+        out["dp_ranks"] = dist.get_process_group_ranks(mesh.get_group())
+        members = torch.tensor([float(rank)])
+        dist.all_reduce(members, group=acco.driver.process_group)  # the rounds' group: who is in it
+        out["rounds_group_rank_sum"] = float(members)
+        out["losses"] = []
+        for i in range(case["gas"] * case["steps"]):
+            loss = model(*batch(dp_rank, i))
+            acco.backward(loss)
+            acco.step()
+            out["losses"].append(loss.item())
+        with ds_acco.committed_weights(acco):
+            out["final"] = live_snapshot(model)
+        out["global_steps"] = acco.global_steps
+        acco.close()
+    if layout == "subset" and mesh is not None:
+        out["again"] = subset_again(case, mesh)
+        out["bound_device_error"] = bound_device_refusal()
+    if layout == "world":
+        out["failed_close"] = close_after_failed_round(case, mesh)
+    everyone = dist.new_group(list(range(world)), timeout=timedelta(seconds=60))
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=everyone)
+    out["rank_sum"] = float(total)
+    return out
+
+
+@contextlib.contextmanager
+def _late_rounds_group(late: bool):
+    """Inside, this rank creates the rounds' group (ds_acco.comm.groups.new_rounds_group) 1 s late
+    when ``late``: after its peers, which wait for it in the group's rendezvous."""
+    from ds_acco.core import driver
+    real = driver.new_rounds_group
+
+    def delayed(*args, **kwargs):
+        if late:
+            time.sleep(1.0)
+        return real(*args, **kwargs)
+    driver.new_rounds_group = delayed
+    try:
+        yield
+    finally:
+        driver.new_rounds_group = real
+
+
+def close_after_failed_round(case, mesh):
+    """AccoFSDP.close() while the round in flight fails: what it raised, and whether the model is
+    plain FSDP again (hooks gone, FSDP's own gradient reduce-scatter back)."""
+    from torch.distributed.tensor import DTensor
+    case = dict(case, acco=dict(case["acco"], nonfinite="raise"))
+    model, acco = build(case, mesh)
+    for i in range(case["gas"] // 2):  # one phase: its estimate round is in flight at close()
+        x, y = batch(dist.get_rank(), i)
+        if i == 0:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        acco.backward(model(x, y))
+        acco.step()
+    try:
+        acco.close()
+        raised = None
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    model(*batch(dist.get_rank(), 0)).backward()  # plain FSDP: all-gather, then reduce-scatter
+    grads = [p.grad for p in model.parameters()]
+    return {"raised": raised, "hooks": len(acco._hooks),
+            "plain_fsdp_grads": all(isinstance(g, DTensor) and bool(torch.isfinite(g.to_local()).all())
+                                    for g in grads)}
+
+
+def subset_again(case, mesh):
+    """A second engine over the same subset, rank 1 creating its rounds' group late: the group must
+    not reuse the first one's name (rank 0 would read that group's stale rendezvous keys meanwhile)."""
+    with _late_rounds_group(dist.get_rank() == 1):
+        model, acco = build(case, mesh)
+    for i in range(case["gas"] * 3 // 2):  # three phases: the first commit is collected
+        acco.backward(model(*batch(dist.get_rank(mesh.get_group()), i)))
+        acco.step()
+    steps = acco.global_steps
+    acco.close()
+    return steps
+
+
+def bound_device_refusal():
+    """new_rounds_group over a subset when the default group is bound to a device (eager NCCL
+    init: torch would split its communicator, which every rank must enter): the error."""
+    from datetime import timedelta
+    from ds_acco.comm.groups import new_rounds_group
+    world = dist.group.WORLD
+    world.bound_device_id = torch.device("cuda", 0)  # what init_process_group(device_id=...) leaves
+    try:
+        new_rounds_group([0, 1], timedelta(seconds=10))
+        return "NO ERROR"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        world.bound_device_id = None

@@ -243,3 +243,62 @@ def stop_at_same_count(case, total, save_dir):
     if error is None:
         engine.destroy()
     return out
+
+
+def destroy_after_failed_round(case):
+    """The round in flight at ``engine.destroy()`` fails (a non-finite gradient with acco.nonfinite
+    'raise'): what destroy() raised, whether DeepSpeed's own destroy() ran, and whether the
+    SIGTERM handler before ACCO's is back. Also what the driver logged at construction with
+    ``one_connection_warning`` standing in for a device where CUDA_DEVICE_MAX_CONNECTIONS=1 bites."""
+    import logging
+    import os
+    import signal
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_acco.core import driver as driver_module
+    rank = int(os.environ["RANK"])
+    checked, logged = [], []
+
+    def fake_warning(device, synchronous):
+        checked.append((str(device), synchronous))
+        return "CONNECTIONS WARNING"
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append((record.levelname, record.getMessage()))
+    handler = Keep()
+    logging.getLogger("ds_acco").addHandler(handler)
+    real_warning, driver_module.one_connection_warning = driver_module.one_connection_warning, fake_warning
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        engine = _engine_for(case)
+    finally:
+        driver_module.one_connection_warning = real_warning
+        logging.getLogger("ds_acco").removeHandler(handler)
+    destroyed = []
+    real_destroy = DeepSpeedEngine.destroy
+
+    def spy(self):
+        destroyed.append(type(self).__name__)
+        return real_destroy(self)
+    DeepSpeedEngine.destroy = spy
+    try:
+        for i in range(case["gas"] // 2):  # one phase: its round is in flight at destroy()
+            x, y = batch(rank, i)
+            if i == 0:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            engine.backward(engine(x, y))
+            engine.step()
+        assert engine.optimizer.schedule.round_in_flight is not None
+        try:
+            engine.destroy()
+            raised = None
+        except Exception as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        DeepSpeedEngine.destroy = real_destroy
+    return {"raised": raised, "deepspeed_destroy_ran": destroyed,
+            "sigterm_restored": signal.getsignal(signal.SIGTERM) is before,
+            "warning_checked": checked, "warnings_logged": [m for lvl, m in logged if lvl == "WARNING"]}

@@ -18,9 +18,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import logging
+import os
 import signal
 import threading
 import weakref
@@ -31,30 +33,47 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
+from ..comm.groups import destroyable, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
-from ..metrics import REPORT_FIELDS, StepMetrics, format_line, scalar_items
+from ..metrics import StepMetrics, format_line, scalar_items
 from .buffers import BufferGroup
+from .report import RoundReport
 from .rounds import RoundKind, RoundResult
 from .schedule import AccoSchedule, ScheduleOptions
 from .shard_optimizer import ShardOptimizer
 
 logger = logging.getLogger("ds_acco")
-STOP_FIELD = len(REPORT_FIELDS)  # index of the stop request in a round's peer report
 
 
-def check_same_on_all_ranks(settings: dict, what: str) -> None:
+def check_same_on_all_ranks(settings: dict, what: str, group=None) -> None:
     """Refuse a run whose ranks disagree on ``settings`` (e.g. ACCO enabled on one rank only):
-    they would issue different collectives and hang. One small collective on the default group;
+    they would issue different collectives and hang. One small collective on ``group``, the
+    data-parallel group (None: the default group), whose ranks are the ones that build the engine;
     the caller has set the rank's device first (NCCL stages objects on the current device)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     mine = json.dumps(settings, sort_keys=True, default=str)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
         raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
+
+
+def one_connection_warning(device: torch.device, synchronous: bool) -> Optional[str]:
+    """The warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with asynchronous rounds on an accelerator
+    (None when it does not apply): what it costs and the fix."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    if device.type == "cpu" or synchronous or not value.isdigit() or int(value) != 1:
+        return None
+    return ("ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron sets it) gives the device one hardware queue: the "
+            "communication lane's side stream and the compute stream share it, so a round's collectives run "
+            "serialised with the compute kernels and the overlap ACCO exists for is lost; and a collective the "
+            "compute thread issues on another process group while a round is in flight can queue behind the "
+            "round's kernels on one rank and ahead of them on another, a deadlock across ranks; fix: unset "
+            "CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (ACCO runs data parallelism only; Megatron needs it for "
+            "tensor-parallel overlap), or set acco.synchronous = true")
 
 
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
@@ -118,12 +137,15 @@ class AccoDriver:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
+        warning = one_connection_warning(device, config.synchronous)
+        if warning is not None and dist.get_rank() == 0:
+            logger.warning(warning)
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)
         # The rounds' own group: they run on the lane's thread, and gloo matches collectives by
         # issue order per group.
-        self.process_group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=config.comm_timeout_s))
+        self.process_group = new_rounds_group(ranks, timedelta(seconds=config.comm_timeout_s))
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
                              accelerator=stream_accelerator(device, accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
@@ -235,17 +257,13 @@ class AccoDriver:
             self.log(format_line(record))
 
     # -- stopping on SIGTERM: every rank at the same round ---------------------------------------
-    def _report(self):
-        # Travels with each round to every rank: this rank's metrics, then its stop request.
-        return self.metrics.report() + [float(self.stop_requested)]
+    def _report(self) -> RoundReport:
+        # Travels with each round to every rank: this rank's metrics and its stop request.
+        return dataclasses.replace(self.metrics.report(), stop=self.stop_requested)
 
     def stop_requested_by_any_rank(self) -> bool:
         """Whether a round collected so far carried a stop request from some rank."""
-        for r in self.schedule.recent_rounds:
-            if r.peer_report is not None and any(len(row) > STOP_FIELD and row[STOP_FIELD] > 0
-                                                 for row in r.peer_report):
-                return True
-        return False
+        return any(p.stop for r in self.schedule.recent_rounds for p in (r.peer_report or ()))
 
     def install_sigterm(self, save: Optional[Callable[[str], None]] = None) -> None:
         """Honour ``acco.sigterm``: on SIGTERM only flag the request (it rides along with this
@@ -454,7 +472,7 @@ def _destroy_group(pg) -> None:
     """Local, no collective. Safe beside the main thread building the next engine's group:
     torch's registry of groups is plain dicts, changed key by key under the GIL. Not beside a
     concurrent ``destroy_process_group()`` of the whole world: destroy() engines before that."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or not destroyable(pg):
         return
     try:
         dist.destroy_process_group(pg)

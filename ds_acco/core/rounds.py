@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from ..comm import collectives
 from . import chunking
 from .phases import Tally
+from .report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 from .shard_optimizer import global_norm_sq
 
 if TYPE_CHECKING:
@@ -43,14 +44,6 @@ class NonFiniteGradientError(FloatingPointError):
 class RoundKind(str, enum.Enum):
     ESTIMATE = "estimate"
     COMMIT = "commit"
-
-
-REPORT_SIZE = 7  # floats each rank may send along with a round (metrics, a stop request, a drain)
-# The schedule's own fields (dynamic mode), last: the drain a rank is in (its number, 0 outside a
-# drain, DRAIN_ABORT for "the ranks drained different numbers of times") and its micro-batch count then.
-DRAIN_AT_FIELD = REPORT_SIZE - 2
-DRAIN_FIELD = REPORT_SIZE - 1
-DRAIN_ABORT = -1.0
 
 
 class DrainMismatchError(Exception):
@@ -70,7 +63,7 @@ class RoundResult:
     # Mode acco: the previous commit's ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖, summed on the device in that
     # commit and read with this round's one host read (a commit reads the host before its step only).
     prev_commit_drift: Optional[float] = None
-    peer_report: Optional[List[List[float]]] = None  # per rank, the figures it sent along (host floats)
+    peer_report: Optional[List[RoundReport]] = None  # what each rank sent along (by rank; host values)
     started_at: float = 0.0
     finished_at: float = 0.0
     wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
@@ -94,9 +87,9 @@ class RoundResult:
         """Plain types only, so checkpoints load without unpickling our classes."""
         return {"kind": self.kind.value, "step": self.step, "local": (self.local.micro_batches, self.local.weight),
                 "per_rank": [(t.micro_batches, t.weight) for t in self.per_rank], "grad_norm": self.grad_norm,
-                "prev_commit_drift": self.prev_commit_drift, "peer_report": self.peer_report,
-                "started_at": self.started_at,
+                "prev_commit_drift": self.prev_commit_drift, "started_at": self.started_at,
                 "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
+                "peer_report": None if self.peer_report is None else [r.to_dict() for r in self.peer_report],
                 "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr}
 
     @classmethod
@@ -105,8 +98,9 @@ class RoundResult:
         if torch.is_tensor(peer):  # checkpoints before 0.3 kept the table as a tensor
             peer = peer.tolist()
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
-                   d["grad_norm"], d.get("prev_commit_drift"), peer, d["started_at"], d["finished_at"], d["wait_s"],
-                   d["collected_at"], d.get("skipped", False), d.get("lr_factor", 1.0), d.get("lr"))
+                   d["grad_norm"], d.get("prev_commit_drift"), reports_from_checkpoint(d["peer_report"]),
+                   d["started_at"], d["finished_at"], d["wait_s"], d["collected_at"], d.get("skipped", False),
+                   d.get("lr_factor", 1.0), d.get("lr"))
 
 
 @dataclass(kw_only=True)
@@ -138,33 +132,30 @@ class RoundContext:
         return (micro_batches / (self.nominal_phase_micro_batches * phases)) ** self.lr_power
 
 
-def exchange_table(ctx: RoundContext, local: Tally, report: Sequence[float]) -> torch.Tensor:
-    """Every rank's counts and report in one small all-gather: a (world, 2 + REPORT_SIZE) float64
-    table on the device (row r: rank r's micro-batches, weight, report). Nothing is read back."""
-    if len(report) > REPORT_SIZE:  # never truncate: a dropped field would be a silent protocol change
-        raise ValueError(f"a round's report has {len(report)} floats, at most {REPORT_SIZE} travel")
-    row = [float(local.micro_batches), float(local.weight)] + [float(v) for v in report]
-    row += [0.0] * (2 + REPORT_SIZE - len(row))
+def exchange_table(ctx: RoundContext, local: Tally, report: RoundReport) -> torch.Tensor:
+    """Every rank's counts and report in one small all-gather: a (world, 2 + width) float64 table on
+    the device (row r: rank r's micro-batches, weight, packed report). Nothing is read back."""
+    row = [float(local.micro_batches), float(local.weight)] + report.pack()
     mine = torch.tensor(row, dtype=torch.float64, device=ctx.groups[0].comm.device)  # host → device
     table = torch.empty(ctx.world * mine.numel(), dtype=torch.float64, device=mine.device)
     collectives.gather_shards(mine, table, ctx.process_group)
     return table.view(ctx.world, -1)
 
 
-def parse_table(rows: Sequence[Sequence[float]]):
+def parse_table(rows: Sequence[Sequence[float]], report_type: type = RoundReport):
     """The host copy of :func:`exchange_table`'s table: (per-rank tallies, per-rank reports)."""
-    return [Tally(int(row[0]), float(row[1])) for row in rows], [list(row[2:]) for row in rows]
+    return [Tally(int(row[0]), float(row[1])) for row in rows], report_type.unpack([row[2:] for row in rows])
 
 
-def exchange_tallies(ctx: RoundContext, local: Tally, report: Sequence[float]):
+def exchange_tallies(ctx: RoundContext, local: Tally, report: RoundReport):
     """:func:`exchange_table` read back at once (a drain's probe): (per-rank tallies, reports)."""
-    return parse_table(exchange_table(ctx, local, report).tolist())
+    return parse_table(exchange_table(ctx, local, report).tolist(), type(report))
 
 
-def check_no_drain_abort(reports: Sequence[Sequence[float]]) -> None:
+def check_no_drain_abort(reports: Sequence[RoundReport]) -> None:
     """Raise :class:`DrainMismatchError` when a rank filled this slot to report that the ranks'
     drains do not pair up (its own error says which); every rank then stops at this slot."""
-    ranks = [r for r, row in enumerate(reports) if len(row) > DRAIN_FIELD and row[DRAIN_FIELD] == DRAIN_ABORT]
+    ranks = [r for r, report in enumerate(reports) if report.drain == DRAIN_ABORT]
     if ranks:
         raise DrainMismatchError(
             f"ACCO dynamic mode: rank(s) {ranks} found that the ranks drained (committed_weights, "
@@ -225,7 +216,7 @@ def gather(ctx: RoundContext) -> None:
         collectives.gather_in_place(g.gather_view(), ctx.rank, ctx.world, ctx.process_group, ctx.chunk_elems)
 
 
-def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Sequence[float],
+def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Optional[RoundReport],
               loss_scale: float, exchanged: Optional[tuple] = None,
               settings: Optional[Sequence[dict]] = None) -> RoundResult:
     """One round (ACCO.md): mean gradient over all ranks, one optimizer step on the shard --
@@ -238,14 +229,14 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
     started = time.perf_counter()
     with record_function(f"ACCO::{kind.value}_round"):
         if exchanged is not None:  # the counts are on the host already; the table goes back to the device
-            rows = [[float(t.micro_batches), float(t.weight)] + list(r) for t, r in zip(*exchanged)]
+            rows = [[float(t.micro_batches), float(t.weight)] + r.pack() for t, r in zip(*exchanged)]
             table = torch.tensor(rows, dtype=torch.float64, device=ctx.groups[0].comm.device)
             per_rank, reports = exchanged
         else:
             table = exchange_table(ctx, local, report)
             per_rank = reports = None
             if ctx.read_counts_first:  # dynamic mode: a drain abort must stop every rank before the reduce
-                per_rank, reports = parse_table(table.tolist())
+                per_rank, reports = parse_table(table.tolist(), type(report))
         if per_rank is not None:
             _check_counts(kind, step, per_rank, reports)
         # The mean's denominator stays on the device: the round reads the host once, below.
@@ -271,7 +262,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         if per_rank is None:
             width, first = table.shape[1], len(host) - table.numel()
             per_rank, reports = parse_table([host[first + r * width:first + (r + 1) * width]
-                                             for r in range(ctx.world)])
+                                             for r in range(ctx.world)], type(report))
             _check_counts(kind, step, per_rank, reports)
         grad_norm = math.sqrt(host[0]) if host[0] >= 0 else float("nan")  # the same on every rank: so is the skip
         skipped = not math.isfinite(grad_norm)

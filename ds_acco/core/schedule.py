@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import time
 from concurrent.futures import Future
@@ -56,8 +57,9 @@ from ..comm.lane import CommLane, RoundHandle
 from . import chunking
 from .buffers import BufferGroup
 from .phases import FixedPhases, PhaseKind, PhaseRecord, Tally
-from .rounds import (DRAIN_ABORT, DRAIN_AT_FIELD, DRAIN_FIELD, REPORT_SIZE, DrainMismatchError, RoundContext,
-                     RoundKind, RoundResult, check_no_drain_abort, exchange_tallies, run_round)
+from .report import DRAIN_ABORT, RoundReport
+from .rounds import (DrainMismatchError, RoundContext, RoundKind, RoundResult, check_no_drain_abort, exchange_tallies,
+                     run_round)
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,9 @@ class AccoSchedule:
             carries the current scale: when it changes (the caller updates its scaler in
             ``on_commit``), G is rescaled by the ratio, so a round never mixes scales; each round
             divides by the scale G carried when it was packed.
-        report: called on the compute lane at each launch; a few floats that travel with the
-            round's counts to every rank (``RoundResult.peer_report``).
+        report: called on the compute lane at each launch; a :class:`.report.RoundReport` that
+            travels with the round's counts to every rank (``RoundResult.peer_report``); the
+            schedule fills its drain fields.
         on_commit: called on the compute lane once per committed step, after θ_{t+1} is known and
             before the next round is launched.
         before_launch: called on the compute lane before each round captures the optimizer's
@@ -134,7 +137,7 @@ class AccoSchedule:
     def __init__(self, groups: Sequence[BufferGroup], shard_optimizer, lane: CommLane, *, process_group,
                  rank: int, world: int, options: ScheduleOptions, reduce_scatter: bool = False,
                  loss_scale: Optional[Callable[[], float]] = None,
-                 report: Optional[Callable[[], Sequence[float]]] = None,
+                 report: Optional[Callable[[], RoundReport]] = None,
                  on_commit: Optional[Callable[[RoundResult], None]] = None,
                  before_launch: Optional[Callable[[], None]] = None,
                  after_launch: Optional[Callable[[RoundKind], None]] = None):
@@ -229,18 +232,17 @@ class AccoSchedule:
         """Module docstring, step 4: raise on every rank if a peer's drain was missed here."""
         if not (self.agrees_drains and self._peer_draining()):
             return
-        reports = self._inflight.result.peer_report
-        ranks = [r for r, row in enumerate(reports) if row[DRAIN_FIELD] == self.drains + 1]
-        at = int(max(reports[r][DRAIN_AT_FIELD] for r in ranks))
+        flagged = {r: p for r, p in enumerate(self._inflight.result.peer_report) if p.drain == self.drains + 1}
+        at = max(p.drain_at for p in flagged.values())
         if self.micro_batches < at:
             return  # this rank's own drain is still ahead (at micro-batch ``at``)
+        ranks = sorted(flagged)
         message = (f"ACCO dynamic mode: rank(s) {ranks} drained (committed_weights, save_checkpoint, evaluation) "
                    f"for the {self.drains + 1}th time after micro-batch {at}; this rank (rank {self.rank}) has "
                    f"drained {self.drains} times and is at micro-batch {self.micro_batches}, so the ranks drained a "
                    "different number of times and cannot agree on which rounds to finish; fix: drain on every rank "
                    "at the same micro-batch count (not on rank 0 only, not on a per-rank condition)")
-        ctx, report = self.context, self._report(0)
-        report[DRAIN_FIELD] = DRAIN_ABORT
+        ctx, report = self.context, dataclasses.replace(self._report(0), drain=DRAIN_ABORT)
         abort = self.lane.submit("drain mismatch", lambda: exchange_tallies(ctx, Tally(), report))
         try:
             self.lane.wait(abort)  # the peer waits in this slot: it learns it there
@@ -318,7 +320,7 @@ class AccoSchedule:
             probe = self.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
             per_rank, reports = self.lane.wait(probe)
             check_no_drain_abort(reports)
-            if all(row[DRAIN_FIELD] == drain for row in reports):
+            if all(p.drain == drain for p in reports):
                 return None if inflight is None else inflight.result  # nobody launched a round there
             self.end_phase(exchanged=(per_rank, reports), reason="drain")
             return self._wait(self._inflight)
@@ -382,6 +384,8 @@ class AccoSchedule:
                                       ("layout", [g.layout() for g in self.groups])) if state.get(k) != mine]
         if mismatch:
             raise ValueError(f"ACCO in-flight state does not fit this run ({', '.join(mismatch)} differ)")
+        info = state["inflight"]
+        result = None if info is None else RoundResult.from_dict(info["result"])  # may refuse: before any change
         ctx = self.context
         # The shards are all-gathered on the lane (the rounds' group; drained, so it is free):
         # every rank loads at the same point.
@@ -401,11 +405,9 @@ class AccoSchedule:
         self.last_commit_grad_norm = state.get("last_commit_grad_norm")
         self._sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
         self._decision = None
-        info = state["inflight"]
         if info is None:
             self._inflight = None
         else:  # a finished round whose result sits in B
-            result = RoundResult.from_dict(info["result"])
             future: Future = Future()
             future.set_result(result)
             self._inflight = _InFlight(RoundHandle(f"{info['kind']} {info['step']} (restored)", future),
@@ -458,17 +460,11 @@ class AccoSchedule:
                 g.scale_grads(new / self.accumulated_loss_scale)
             self.accumulated_loss_scale = new
 
-    def _report(self, drain: int = 0) -> list:
-        """The floats sent with a round or a probe; in dynamic mode the drain flag rides last."""
-        report = list(self.report()) if self.report is not None else []
-        if self.agrees_drains:
-            if len(report) > DRAIN_AT_FIELD:
-                raise ValueError(f"report of {len(report)} floats: dynamic mode keeps fields {DRAIN_AT_FIELD} and "
-                                 f"{DRAIN_FIELD} for the drain flag")
-            report = report + [0.0] * (REPORT_SIZE - len(report))
-            report[DRAIN_FIELD] = float(drain)
-            report[DRAIN_AT_FIELD] = float(self.micro_batches if drain else 0)
-        return report
+    def _report(self, drain: int = 0) -> RoundReport:
+        """What this rank sends with a round or a probe: the caller's report, with the drain it is
+        in (``drain``, 0 outside one) and its micro-batch count then."""
+        report = self.report() if self.report is not None else RoundReport()
+        return dataclasses.replace(report, drain=drain, drain_at=self.micro_batches if drain else 0)
 
     def _launch(self, kind: RoundKind, clear_grads: bool, exchanged: Optional[tuple] = None) -> None:
         self._sync_accumulated_loss_scale()  # a scale set after the last backward: G follows it into B
@@ -529,5 +525,4 @@ class AccoSchedule:
 
 def _flagged(result: RoundResult, drain: int) -> bool:
     """Whether some rank sent ``result``'s round as part of its drain number ``drain``."""
-    reports = result.peer_report
-    return reports is not None and any(len(row) > DRAIN_FIELD and row[DRAIN_FIELD] == drain for row in reports)
+    return any(p.drain == drain for p in result.peer_report or ())

@@ -271,14 +271,20 @@ class AccoEngine(DeepSpeedEngine):
             ctx.__exit__(None, None, None)
 
     def destroy(self):
+        """ACCO's drain, then DeepSpeed's destroy -- always, even when the drain raises (a round
+        that failed): its error reaches the caller after DeepSpeed has released what it holds."""
         driver = self._acco_driver()
-        if driver is not None:
-            if self.__dict__.get("_acco_finalising"):
-                driver.abandon()  # no drain: see __del__
-            else:
-                self._acco_leave_eval_weights()
-                driver.close()
-        super().destroy()
+        try:
+            if driver is not None:
+                if self.__dict__.get("_acco_finalising"):
+                    driver.abandon()  # no drain: see __del__
+                else:
+                    try:
+                        self._acco_leave_eval_weights()
+                    finally:
+                        driver.close()
+        finally:
+            super().destroy()
 
     def __del__(self):
         # DeepSpeed's finaliser calls destroy(). For ACCO that would drain: wait for the round in

@@ -73,7 +73,8 @@ def check_supported(fp) -> None:
     mesh = fp.mesh_info.mesh
     if mesh.ndim != 1:
         raise ValueError("AccoFSDP supports one 1-D device mesh for every fully_shard call (plain FSDP, not HSDP or "
-                         "2-D meshes); fix: pass the same 1-D mesh to every fully_shard")
+                         "2-D meshes); fix: pass the same 1-D mesh to every fully_shard "
+                         "(of a 2-D mesh, its data-parallel dimension: mesh[\"dp\"])")
     if fp.is_dtensor or fp.fsdp_placement.dim != 0:
         raise ValueError("AccoFSDP shards parameters on dim 0 only, with plain (non-DTensor) module parameters; "
                          "fix: drop shard_placement_fn / tensor parallelism")

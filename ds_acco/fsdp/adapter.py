@@ -77,7 +77,8 @@ class AccoFSDP:
             raise ValueError("torch.distributed is not initialized; fix: init_process_group before fully_shard")
         check_same_on_all_ranks({"acco": acco.model_dump(), "gradient_accumulation_steps": gas,
                                  "gradient_clipping": clip, "fp16": raw.get("fp16")},
-                                "the \"acco\" block (or gradient_accumulation_steps / gradient_clipping / fp16)")
+                                "the \"acco\" block (or gradient_accumulation_steps / gradient_clipping / fp16)",
+                                group=_mesh_group(model))
         self.module = model
         self.optimizer = optimizer
         self.acco_config = acco
@@ -123,7 +124,8 @@ class AccoFSDP:
                              "with parameters that require grad")
         if any(p.mesh != params[0].mesh for p in params):
             raise ValueError("AccoFSDP supports one 1-D device mesh for every fully_shard call (plain FSDP, "
-                             "not HSDP or 2-D meshes); fix: pass the same 1-D mesh to every fully_shard")
+                             "not HSDP or 2-D meshes); fix: pass the same 1-D mesh to every fully_shard "
+                             "(of a 2-D mesh, its data-parallel dimension: mesh[\"dp\"])")
         accum, live = {p.reduce_dtype for p in params}, {p.param_dtype for p in params}
         if len(accum) != 1 or len(live) != 1:
             raise ValueError("AccoFSDP needs one MixedPrecisionPolicy (param_dtype / reduce_dtype) for the whole "
@@ -244,6 +246,15 @@ class AccoFSDP:
         driver = self.__dict__.get("driver")
         if driver is not None:
             driver.abandon()
+
+
+def _mesh_group(model: torch.nn.Module):
+    """The process group of the 1-D mesh the model is sharded over: the ranks that build this
+    adapter (the mesh may span a subset of the world). None (the default group) for any other
+    mesh; the take-over refuses those."""
+    from torch.distributed.tensor import DTensor
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
 
 
 def _accumulate_into(grad: torch.Tensor):

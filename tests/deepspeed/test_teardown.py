@@ -1,0 +1,19 @@
+"""engine.destroy() always completes DeepSpeed's own destroy(), even when ACCO's drain raises (the
+round in flight failed); the drain's error still reaches the caller. The same spawn checks that the
+driver reports its CUDA_DEVICE_MAX_CONNECTIONS check on rank 0 only (tests/core/test_driver_checks.py
+tests the check itself)."""
+from dist import run_ranks
+import lifecycle_workers
+
+CASE = {"optimizer": "sgd", "gas": 4, "acco": {"enabled": True, "mode": "acco", "nonfinite": "raise"}}
+
+
+def test_destroy_runs_deepspeeds_destroy_when_the_drain_raises():
+    r0, r1 = run_ranks(lifecycle_workers.destroy_after_failed_round, case=CASE)
+    for r in (r0, r1):
+        assert r["raised"] is not None, "destroy() swallowed the failed round"
+        assert "NonFiniteGradientError" in r["raised"] and "estimate 0" in r["raised"], r["raised"]
+        assert r["deepspeed_destroy_ran"] == ["AccoEngine"]
+        assert r["sigterm_restored"]
+        assert r["warning_checked"] == [("cpu", False)]  # the driver's device and acco.synchronous
+    assert r0["warnings_logged"] == ["CONNECTIONS WARNING"] and r1["warnings_logged"] == []
