@@ -49,7 +49,7 @@ import inspect
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 from . import _routing
 from ._routing import installed

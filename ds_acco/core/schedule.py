@@ -9,35 +9,8 @@ Phases and rounds (mode 'acco'):
 Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G ← 0, round k.
 
 G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a round is
-:func:`.rounds.run_round` on the lane.
-
-Drains agree (ACCO.md, dynamic mode). Every round starts with the same small all-gather (the
-counts table), so the n-th table exchange on the rounds' group is a *slot* every rank fills once.
-In dynamic mode ranks end phases on their own timing and may stand one round apart at a drain;
-the j-th ``drain()`` call of every rank (d = j) agrees on the slots as follows:
-  1. wait for the round in flight; if its table carries some rank's flag d, it is the agreed
-     last round: done;
-  2. else *probe* the next slot: the counts table alone, with this rank's flag d and the counts
-     it would send were the phase to end now. All probed (nobody launched a round there): the
-     slot is dropped on every rank, done. Some rank launched a round there: this rank ends its
-     phase now (possibly short, even empty) and joins that round with the table it already
-     has; waits for it; done.
-  3. outside a drain, a rank that collects a round carrying a peer's flag for its own next
-     drain (the peer drains first) does not end its phase -- it keeps accumulating, past the
-     maximum if need be -- until its drain, where step 1 finds that round.
-  4. drains happen at the same micro-batch count on every rank (a caller's step boundary), and
-     each flag travels with the drainer's count. A rank still holding its phase open for a
-     peer's drain at a micro-batch past that count has missed the drain: the ranks drained a
-     different number of times. It fills the next slot with DRAIN_ABORT (the peer waits there)
-     and every rank raises DrainMismatchError at that slot, instead of waiting comm_timeout_s.
-No deadlock: a rank launches round n+1 only after collecting round n, which needs every rank
-to have filled slot n, so ranks are at most one slot apart; the first rank to probe for drain
-d does so at slot P after collecting slot P-1, so no rank can have filled P+1 (that needs slot
-P collected without the flag), every rank fills slot P exactly once (a normal launch before
-its drain, or its probe), and no rank fills P+1 before its drain d is over (step 3). Each slot's
-decision (full round or dropped) is a function of its table, the same on every rank. Fixed mode
-(phase ends at equal micro-batch counts everywhere, so drains already agree) sends no flag and
-no probe: it is unchanged.
+:func:`.rounds.run_round` on the lane. Dynamic mode's drains agree across ranks: :mod:`.drains`;
+the in-flight state of checkpoints: :mod:`.schedule_state`.
 """
 from __future__ import annotations
 
@@ -46,20 +19,19 @@ import contextlib
 import dataclasses
 import math
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Deque, List, Optional, Sequence
 
 from torch.profiler import record_function
 
-from ..comm import collectives
-from ..comm.lane import CommLane, RoundHandle
+from ..comm.lane import CommLane
 from . import chunking
 from .buffers import BufferGroup
+from .drains import DrainAgreement
 from .phases import FixedPhases, PhaseKind, PhaseRecord, Tally
-from .report import DRAIN_ABORT, RoundReport
-from .rounds import (DrainMismatchError, RoundContext, RoundKind, RoundResult, check_no_drain_abort, exchange_tallies,
-                     run_round)
+from .report import RoundReport
+from .rounds import RoundContext, RoundKind, RoundResult, run_round
+from .schedule_state import ScheduleState, _InFlight
 
 
 @dataclass(frozen=True)
@@ -97,18 +69,7 @@ class ScheduleOptions:
                    nominal_phase=acco.phase_length(gradient_accumulation_steps))
 
 
-@dataclass
-class _InFlight:
-    handle: RoundHandle
-    kind: RoundKind
-    step: int
-    result: Optional[RoundResult] = None  # set once waited for
-    committed: bool = False  # commit bookkeeping done (at a drain or a swap)
-    wait_s: float = 0.0  # how long the compute lane blocked on it
-    wait_mark: Optional[float] = None  # wait_s before a phase-end decision waited for it (dynamic mode)
-
-
-class AccoSchedule:
+class AccoSchedule(DrainAgreement, ScheduleState):
     """Owns the phases, the rounds and the swaps for a set of buffer groups.
 
     Args:
@@ -131,8 +92,6 @@ class AccoSchedule:
             settings (a learning-rate scheduler step still owed is taken there).
         after_launch: called on the compute lane with the kind of each round just launched.
     """
-
-    STATE_VERSION = 3  # 3: live weights and B's parameters saved as this rank's shard
 
     def __init__(self, groups: Sequence[BufferGroup], shard_optimizer, lane: CommLane, *, process_group,
                  rank: int, world: int, options: ScheduleOptions, reduce_scatter: bool = False,
@@ -210,45 +169,12 @@ class AccoSchedule:
             self._decision = (self.micro_batches, why)
         return self._decision[1] is not None
 
-    @property
-    def agrees_drains(self) -> bool:
-        """Whether drains run the agreement protocol (any policy but fixed phases)."""
-        return not isinstance(self.phases, FixedPhases)
-
     def _why_phase_ends(self) -> Optional[str]:
         inflight = self._inflight
         if self.agrees_drains and self._peer_draining():
             return None
         done = (lambda: True) if inflight is None else inflight.handle.done
         return self.phases.ends(self.phase_tally.micro_batches + 1, done)
-
-    def _peer_draining(self) -> bool:
-        """The collected round in flight carries some rank's flag for this rank's next drain."""
-        inflight = self._inflight
-        return (inflight is not None and inflight.result is not None
-                and _flagged(inflight.result, self.drains + 1))
-
-    def _check_drains_pair_up(self) -> None:
-        """Module docstring, step 4: raise on every rank if a peer's drain was missed here."""
-        if not (self.agrees_drains and self._peer_draining()):
-            return
-        flagged = {r: p for r, p in enumerate(self._inflight.result.peer_report) if p.drain == self.drains + 1}
-        at = max(p.drain_at for p in flagged.values())
-        if self.micro_batches < at:
-            return  # this rank's own drain is still ahead (at micro-batch ``at``)
-        ranks = sorted(flagged)
-        message = (f"ACCO dynamic mode: rank(s) {ranks} drained (committed_weights, save_checkpoint, evaluation) "
-                   f"for the {self.drains + 1}th time after micro-batch {at}; this rank (rank {self.rank}) has "
-                   f"drained {self.drains} times and is at micro-batch {self.micro_batches}, so the ranks drained a "
-                   "different number of times and cannot agree on which rounds to finish; fix: drain on every rank "
-                   "at the same micro-batch count (not on rank 0 only, not on a per-rank condition)")
-        ctx, report = self.context, dataclasses.replace(self._report(0), drain=DRAIN_ABORT)
-        abort = self.lane.submit("drain mismatch", lambda: exchange_tallies(ctx, Tally(), report))
-        try:
-            self.lane.wait(abort)  # the peer waits in this slot: it learns it there
-        except Exception:  # noqa: BLE001 -- a failing peer: the mismatch is still what this rank reports
-            pass
-        raise DrainMismatchError(message)
 
     def before_backward(self) -> None:
         """Before each backward pass: a loss scale set from outside (e.g. ``override_loss_scale``)
@@ -298,33 +224,6 @@ class AccoSchedule:
         """The kind of the round launched and not yet swapped in (finished or not), if any."""
         return None if self._inflight is None else self._inflight.kind
 
-    def drain(self) -> Optional[RoundResult]:
-        """Wait for the round in flight (if any); a finished commit is booked as committed. In
-        dynamic mode every rank's j-th drain finishes the same rounds (module docstring): this
-        rank may first end its phase early to join a round a peer launched."""
-        if not self.agrees_drains or self._closed:  # closed: the lane is gone (a second destroy())
-            return None if self._inflight is None else self._wait(self._inflight)
-        with record_function("ACCO::drain"):
-            self.drains += 1
-            drain = self.drains
-            inflight = self._inflight
-            if inflight is not None:
-                self._wait(inflight)
-                if _flagged(inflight.result, drain):
-                    return inflight.result
-            # Probe the next slot: the counts this rank would send, were its phase to end now.
-            self._sync_accumulated_loss_scale()
-            local = self.buffer_tally
-            report = self._report(drain)
-            ctx = self.context
-            probe = self.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
-            per_rank, reports = self.lane.wait(probe)
-            check_no_drain_abort(reports)
-            if all(p.drain == drain for p in reports):
-                return None if inflight is None else inflight.result  # nobody launched a round there
-            self.end_phase(exchanged=(per_rank, reports), reason="drain")
-            return self._wait(self._inflight)
-
     @contextlib.contextmanager
     def committed_weights(self):
         """Inside: the live weights hold the newest committed θ; on exit, the live state is restored.
@@ -349,83 +248,6 @@ class AccoSchedule:
                 for g in self.groups:
                     g.swap_live_and_gathered()
                 self._swapped = False
-
-    # -- exact resume ----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything in flight, for an exact resume: G, the live weights and B's gathered
-        parameters as the compute lane sees them, the phase position and the finished round's
-        result. Drains first (no collective is cut). Tensors are copied to CPU."""
-        self.drain()
-        inflight = self._inflight
-        return {
-            "version": self.STATE_VERSION,
-            "mode": self.mode,
-            "world": self.world,
-            "layout": [g.layout() for g in self.groups],
-            "phase": self.phase.value,
-            "step_index": self.step_index,
-            "committed_steps": self.committed_steps,
-            "phase_tally": (self.phase_tally.micro_batches, self.phase_tally.weight),
-            "buffer_tally": (self.buffer_tally.micro_batches, self.buffer_tally.weight),
-            "micro_batches": self.micro_batches,
-            "accumulated_loss_scale": self.accumulated_loss_scale,
-            "drains": self.drains,
-            "last_commit_grad_norm": self.last_commit_grad_norm,
-            "groups": [g.export_state(self._swapped) for g in self.groups],
-            "inflight": None if inflight is None else {
-                "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
-                "result": inflight.result.to_dict()},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (same mode, world size and layout)."""
-        self.drain()
-        mismatch = [k for k, mine in (("version", self.STATE_VERSION), ("mode", self.mode), ("world", self.world),
-                                      ("layout", [g.layout() for g in self.groups])) if state.get(k) != mine]
-        if mismatch:
-            raise ValueError(f"ACCO in-flight state does not fit this run ({', '.join(mismatch)} differ)")
-        info = state["inflight"]
-        result = None if info is None else RoundResult.from_dict(info["result"])  # may refuse: before any change
-        ctx = self.context
-        # The shards are all-gathered on the lane (the rounds' group; drained, so it is free):
-        # every rank loads at the same point.
-        gather = lambda flat: self.lane.wait(self.lane.submit(  # noqa: E731
-            "load: all-gather", lambda: collectives.gather_in_place(flat, ctx.rank, ctx.world, ctx.process_group,
-                                                ctx.chunk_elems)))
-        for g, saved in zip(self.groups, state["groups"]):
-            g.import_state(saved, gather)
-        self.phase = PhaseKind(state["phase"])
-        self.step_index = state["step_index"]
-        self.committed_steps = state["committed_steps"]
-        self.phase_tally = Tally(*state["phase_tally"])
-        self.buffer_tally = Tally(*state["buffer_tally"])
-        self.micro_batches = state["micro_batches"]
-        self.accumulated_loss_scale = float(state["accumulated_loss_scale"])
-        self.drains = int(state.get("drains", self.drains))  # the saving run's count: flags stay comparable
-        self.last_commit_grad_norm = state.get("last_commit_grad_norm")
-        self._sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
-        self._decision = None
-        if info is None:
-            self._inflight = None
-        else:  # a finished round whose result sits in B
-            future: Future = Future()
-            future.set_result(result)
-            self._inflight = _InFlight(RoundHandle(f"{info['kind']} {info['step']} (restored)", future),
-                                       RoundKind(info["kind"]), info["step"], result, info["committed"])
-
-    def reset(self, committed_steps: int) -> None:
-        """Forget everything in flight and start a bootstrap phase at the current weights, as after
-        ``committed_steps`` optimizer steps (e.g. after loading a stock ZeRO-1 checkpoint)."""
-        self.drain()
-        self._inflight = None
-        self.step_index = self.committed_steps = committed_steps
-        self.phase = PhaseKind.BOOTSTRAP
-        self.phase_tally = Tally()
-        self.buffer_tally = Tally()
-        self._decision = None
-        self.accumulated_loss_scale = self._current_loss_scale()
-        for g in self.groups:
-            g.zero_grads()
 
     def close(self) -> None:
         """Drain and stop the lane (once: later calls do nothing)."""
@@ -521,8 +343,3 @@ class AccoSchedule:
             g.unpack_into_live()
         self._inflight = None
         return inflight.wait_s - waited_before
-
-
-def _flagged(result: RoundResult, drain: int) -> bool:
-    """Whether some rank sent ``result``'s round as part of its drain number ``drain``."""
-    return any(p.drain == drain for p in result.peer_report or ())

@@ -15,7 +15,8 @@ from ds_acco.core.driver import AccoDriver
 from ds_acco.core.phases import Tally
 from ds_acco.core.report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 from ds_acco.core.rounds import DrainMismatchError, RoundKind, RoundResult, check_no_drain_abort
-from ds_acco.core.schedule import AccoSchedule, _flagged
+from ds_acco.core.drains import _flagged
+from ds_acco.core.schedule import AccoSchedule
 from ds_acco.metrics import StepMetrics
 
 
