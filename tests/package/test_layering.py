@@ -114,3 +114,8 @@ def test_the_core_runs_without_deepspeed_installed(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled(100))
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_schedule_stays_small():
+    # The state machine only: drains (core/drains.py) and checkpoint state (core/schedule_state.py) live apart.
+    assert len((PKG / "core" / "schedule.py").read_text().splitlines()) < 400
