@@ -33,7 +33,7 @@ from timeouts import scaled
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORKER = os.path.join(os.path.dirname(HERE), "launch", "exit_forker.py")
 WORLD = 2
-REPEATS = 5  # each racy case, in all (every other case runs once)
+REPEATS = 3  # each racy case, in all (every other case runs once)
 FIXED = {"enabled": True}
 DYNAMIC = {"enabled": True, "accumulation": "dynamic",
            "dynamic": {"min_micro_batches": 1, "max_micro_batches": 4, "check_every": 1}}
