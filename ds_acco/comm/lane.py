@@ -61,7 +61,8 @@ class RoundHandle:
         self.started_at: Optional[float] = None
         self.finished_at: Optional[float] = None
         self.done_event: Any = None  # recorded on the side stream after the round's last kernel
-        self.keep: Optional[Sequence[Any]] = keep  # alive until the compute stream waits on done_event
+        self.keep: Sequence[Any] = tuple(keep or ())  # alive until the compute stream waits on done_event
+        self.waited = False  # the compute stream waits on done_event (once)
 
     def done(self) -> bool:
         """Whether the round has finished, its kernels included (a query: never blocks)."""
@@ -182,13 +183,15 @@ class CommLane:
                 "(acco.comm_timeout_s): a peer rank may have died or the network is stalled")
         try:
             out = handle.future.result()
+        except torch.OutOfMemoryError:  # the round's own workspace: not a peer's failure
+            raise
         except (RuntimeError, OSError, TimeoutError) as exc:  # collectives report peer failures so
             raise CommRoundError(f"communication round '{handle.name}' failed: {exc} -- a peer rank may have "
                                  "died or the network failed; this rank stops here") from exc
-        if handle.done_event is not None and handle.keep is not None:
+        if handle.done_event is not None and not handle.waited:
             # On the device: kernels the caller queues from here on run after the round's.
             self._accel.current_stream(self._index).wait_event(handle.done_event)
-        handle.keep = None
+        handle.waited, handle.keep = True, ()
         return out
 
     def close(self) -> None:

@@ -42,12 +42,15 @@ class TorchAccelerator:
 
     @contextlib.contextmanager
     def stream(self, stream):
+        # set_stream also makes the stream's device current: both are restored, as torch.cuda.stream does
+        device = torch.accelerator.current_device_index()
         before = torch.accelerator.current_stream(stream.device_index)
         torch.accelerator.set_stream(stream)
         try:
             yield
         finally:
             torch.accelerator.set_stream(before)
+            torch.accelerator.set_device_index(device)
 
     def current_stream(self, device_index: Optional[int] = None):
         return torch.accelerator.current_stream(device_index)

@@ -137,12 +137,12 @@ class AccoDriver:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
-        warning = one_connection_warning(device, config.synchronous)
-        if warning is not None and dist.get_rank() == 0:
-            logger.warning(warning)
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)
+        warning = one_connection_warning(device, config.synchronous)
+        if warning is not None and rank == 0:  # rank 0 of the data-parallel group: a mesh may exclude rank 0
+            logger.warning(warning)
         # The rounds' own group: they run on the lane's thread, and gloo matches collectives by
         # issue order per group.
         self.process_group = new_rounds_group(ranks, timedelta(seconds=config.comm_timeout_s))

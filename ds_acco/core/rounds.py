@@ -94,9 +94,6 @@ class RoundResult:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RoundResult":
-        peer = d["peer_report"]
-        if torch.is_tensor(peer):  # checkpoints before 0.3 kept the table as a tensor
-            peer = peer.tolist()
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
                    d["grad_norm"], d.get("prev_commit_drift"), reports_from_checkpoint(d["peer_report"]),
                    d["started_at"], d["finished_at"], d["wait_s"], d["collected_at"], d.get("skipped", False),
@@ -136,10 +133,20 @@ def exchange_table(ctx: RoundContext, local: Tally, report: RoundReport) -> torc
     """Every rank's counts and report in one small all-gather: a (world, 2 + width) float64 table on
     the device (row r: rank r's micro-batches, weight, packed report). Nothing is read back."""
     row = [float(local.micro_batches), float(local.weight)] + report.pack()
-    mine = torch.tensor(row, dtype=torch.float64, device=ctx.groups[0].comm.device)  # host → device
+    mine = to_device(row, ctx.groups[0].comm.device)
     table = torch.empty(ctx.world * mine.numel(), dtype=torch.float64, device=mine.device)
     collectives.gather_shards(mine, table, ctx.process_group)
     return table.view(ctx.world, -1)
+
+
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """Host floats as a float64 tensor on ``device`` without a host synchronisation: through pinned
+    memory and an asynchronous copy on an accelerator (a pageable copy would synchronise the
+    stream); the pinned block is reused only once the copy is done (torch's host allocator)."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def parse_table(rows: Sequence[Sequence[float]], report_type: type = RoundReport):
@@ -187,6 +194,8 @@ def shard_mean(views: List[torch.Tensor], denom: float) -> List[torch.Tensor]:
         parts = [p.view(v.shape) for p, v in zip(fp32.split([v.numel() for v in views]), views)]
         torch._foreach_copy_(parts, views)
         views = parts
+    if torch.is_tensor(denom):  # the list's dtype: foreach's fused path on accelerators (the same quotients)
+        denom = denom.to(views[0].dtype)
     torch._foreach_div_(views, denom)
     return views
 
@@ -230,7 +239,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
     with record_function(f"ACCO::{kind.value}_round"):
         if exchanged is not None:  # the counts are on the host already; the table goes back to the device
             rows = [[float(t.micro_batches), float(t.weight)] + r.pack() for t, r in zip(*exchanged)]
-            table = torch.tensor(rows, dtype=torch.float64, device=ctx.groups[0].comm.device)
+            table = to_device(rows, ctx.groups[0].comm.device)
             per_rank, reports = exchanged
         else:
             table = exchange_table(ctx, local, report)

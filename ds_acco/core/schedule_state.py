@@ -82,6 +82,7 @@ class ScheduleState:
         self.last_commit_grad_norm = state.get("last_commit_grad_norm")
         self._sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
         self._decision = None
+        self.context.pending_drift = None  # a drift measured before the load belongs to no step after it
         if info is None:
             self._inflight = None
         else:  # a finished round whose result sits in B
@@ -100,6 +101,7 @@ class ScheduleState:
         self.phase_tally = Tally()
         self.buffer_tally = Tally()
         self._decision = None
+        self.context.pending_drift = None  # a drift measured before the load belongs to no step after it
         self.accumulated_loss_scale = self._current_loss_scale()
         for g in self.groups:
             g.zero_grads()

@@ -212,3 +212,39 @@ def test_fsdp2_rounds_are_ordered_and_the_compute_thread_never_syncs(recorded_fs
         assert rank["races"] == [], rank["races"][:3]
         assert all(s == [] for s in rank["compute_syncs"][2 * GAS:]), rank["compute_syncs"]
         assert rank["rounds"] >= STEPS and len(rank["lane_syncs"]) <= rank["rounds"], rank["lane_syncs"]
+
+
+def test_keep_none_still_waits_on_the_device():
+    acc = _recorder()
+    lane = _lane(acc)
+    b, c = torch.zeros(8), torch.zeros(8)
+    with acc.recording():
+        b.fill_(1.0)
+        lane.wait(lane.submit("round", lambda: _double(b, c), keep=None))
+        c.clone()
+    lane.close()
+    assert acc.races() == []
+    assert len([e for e in acc.log if e.kind == "wait"]) == 2
+
+
+def test_out_of_memory_on_the_lane_is_not_blamed_on_the_network():
+    lane = _lane(_recorder())
+
+    def fn():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        lane.wait(lane.submit("estimate 2", fn))
+    lane.close()
+
+
+def test_torchs_accelerator_api_is_what_the_adapter_calls():
+    # TorchAccelerator (the FSDP2 adapter's streams) needs these; a torch release that renames one
+    # fails here, not on a user's GPU.
+    from ds_acco.comm.streams import TorchAccelerator
+    for name in ("current_stream", "set_stream", "current_device_index", "set_device_index", "current_accelerator"):
+        assert callable(getattr(torch.accelerator, name)), name
+    for cls, methods in ((torch.Stream, ("wait_event", "synchronize")), (torch.Event, ("record", "query", "synchronize"))):
+        for m in methods:
+            assert callable(getattr(cls, m)), (cls, m)
+    assert TorchAccelerator("cpu").is_synchronized_device()
+    assert not TorchAccelerator("cuda").is_synchronized_device()
