@@ -228,6 +228,7 @@ class RecordingAccelerator:
         events: Dict[int, Dict[int, int]] = {}
         gens: Dict[int, int] = {}
         seen: Dict[Tuple[int, int], List[Tuple]] = {}  # (storage, generation) → accesses
+        allocated_on: Dict[Tuple[int, int], int] = {}  # (storage, generation) → the stream that allocated it
         out: List[str] = []
         for e in self.log:
             if e.kind == "record":
@@ -247,8 +248,19 @@ class RecordingAccelerator:
                 clock = _issue(clocks, host, e, tick=True)
                 tick = clock[e.stream]
                 for key in e.fresh:
-                    gens[key] = gens.get(key, 0) + 1
-                    seen.pop((key, gens[key] - 1), None)
+                    old = (key, gens.get(key, 0))
+                    # A caching allocator hands a freed block again to the stream that allocated it
+                    # only: reused here while another stream's access to it may still be pending,
+                    # it was freed too early (e.g. a round's input not kept alive until the wait).
+                    if allocated_on.get(old) == e.stream:
+                        for (s, t, a, b, w, name) in seen.get(old, ()):
+                            if s != e.stream and clock.get(s, 0) < t and len(out) < limit:
+                                out.append(f"allocation {key:#x} reused on stream {e.stream} by {e.what} while "
+                                           f"{name} on stream {s} may still {'write' if w else 'read'} it (freed "
+                                           "before the stream using it was waited for)")
+                    seen.pop(old, None)
+                    gens[key] = old[1] + 1
+                    allocated_on[(key, gens[key])] = e.stream
                 for key, lo, hi, write in e.accesses:
                     slot = seen.setdefault((key, gens.get(key, 0)), [])
                     for (s, t, a, b, w, name) in slot:

@@ -248,3 +248,25 @@ def test_torchs_accelerator_api_is_what_the_adapter_calls():
             assert callable(getattr(cls, m)), (cls, m)
     assert TorchAccelerator("cpu").is_synchronized_device()
     assert not TorchAccelerator("cuda").is_synchronized_device()
+
+
+@pytest.mark.parametrize("waited", [False, True])
+def test_the_race_check_catches_a_block_reused_before_the_reader_was_waited_for(waited):
+    # A hand-made log (CPU's allocator reuses addresses by chance, a caching allocator by design):
+    # compute allocates x, the side stream reads it, compute frees it and allocates at its address.
+    acc = _recorder()
+    side, compute = acc.Stream(device=1), acc.current_stream(1)
+    x = (0x1000, 0, 32)
+    acc._op("aten.empty (x)", [x + (True,)], [0x1000], None)
+    ready = acc.Event()
+    ready.record(compute)
+    with acc.stream(side):
+        side.wait_event(ready)
+        acc._op("aten.copy_ (reads x)", [x + (False,)], [], None)
+        done = acc.Event()
+        done.record(side)
+    if waited:
+        compute.wait_event(done)
+    acc._op("aten.empty (at x's address)", [x + (True,)], [0x1000], None)
+    reused = [r for r in acc.races() if "reused on stream" in r]
+    assert bool(reused) != waited, acc.races()
