@@ -393,6 +393,8 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
     def _note(self, func, args, kwargs, out) -> None:
+        if self.acc.inner is not None and _blocking_transfer(func, args, kwargs, out):
+            self.acc._read(f"{func} (a blocking copy between host and device)")
         schema = func._schema
         c10d = schema.name.startswith("c10d::")
         accesses, inputs = [], set()
@@ -424,6 +426,26 @@ class _OpRecorder(TorchDispatchMode):
                         self.acc._host.discard(span[0])
                     accesses.append(span + (True,))
         self.acc._op(str(func), accesses, fresh, device)
+
+
+_SHAPE_FROM_VALUES = ("aten::nonzero", "aten::masked_select", "aten::unique", "aten::_unique2")
+
+
+def _blocking_transfer(func, args, kwargs, out) -> bool:
+    """On a real device: an op that makes the host wait for the device -- a copy between host and
+    device that is not asynchronous from pinned memory, or an op whose output shape depends on
+    device values (``nonzero`` and its kind)."""
+    name = func._schema.name
+    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+    if name in _SHAPE_FROM_VALUES:
+        return any(t.device.type != "cpu" for t in tensors)
+    if name not in ("aten::_to_copy", "aten::copy_"):
+        return False
+    if not ({t.device.type == "cpu" for t in tensors} >= {True, False}):
+        return False  # one side of the copy only
+    if not kwargs.get("non_blocking", len(args) > 2 and args[2] is True):
+        return True
+    return not all(t.is_pinned() for t in tensors if t.device.type == "cpu")
 
 
 class _ReadRecorder(TorchFunctionMode):

@@ -270,3 +270,15 @@ def test_the_race_check_catches_a_block_reused_before_the_reader_was_waited_for(
     acc._op("aten.empty (at x's address)", [x + (True,)], [0x1000], None)
     reused = [r for r in acc.races() if "reused on stream" in r]
     assert bool(reused) != waited, acc.races()
+
+
+def test_blocking_copies_between_host_and_device_are_host_syncs():
+    # On a real device the recorder counts these (meta stands in for the device here).
+    from ds_acco.comm.recording import _blocking_transfer
+    host, dev = torch.ones(4), torch.empty(4, device="meta")
+    to_copy, copy_ = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
+    assert _blocking_transfer(to_copy, (host,), {"device": torch.device("meta")}, dev)  # pageable H2D
+    assert _blocking_transfer(to_copy, (host,), {"device": torch.device("meta"), "non_blocking": True}, dev)
+    assert _blocking_transfer(copy_, (host, dev), {}, host)  # D2H into the host
+    assert not _blocking_transfer(copy_, (host, torch.zeros(4)), {}, host)  # host to host
+    assert _blocking_transfer(torch.ops.aten.nonzero.default, (dev,), {}, dev)
