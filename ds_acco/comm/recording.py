@@ -410,6 +410,8 @@ class _OpRecorder(TorchDispatchMode):
                         inputs.add(span[0])
         host = bool(inputs) and all(self.acc.is_host(t) for t in tree_flatten((args, kwargs))[0]
                                     if isinstance(t, torch.Tensor))
+        if schema.name.startswith("aten::lift_fresh"):
+            inputs = set()  # torch.tensor(data): allocated outside the dispatcher, seen first here
         fresh, device = [], None
         for t in tree_flatten((args, kwargs, out))[0]:
             if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
