@@ -120,3 +120,20 @@ def test_refused_under_accelerate():
     with pytest.raises(ValueError, match="accumulation = 'shared' under Accelerate / HF Trainer.*its share by "
                                          "measured speed.*fix: use .accumulation.: .fixed. with HF Trainer"):
         _refuse_dynamic_under_accelerate({"config": ds_config(GAS, SHARED)})
+
+
+def test_drains_at_equal_micro_batch_counts_agree(tmp_path):
+    """Dynamic mode's drain rule (evaluate and save every N micro-batches on every rank) with ranks at
+    different phase positions: the drains agree, never raising DrainMismatchError though the ranks
+    hold different counts; the phases around them are cut (their totals differ from M, as
+    docs/ACCO.md says); drains right after a committing step() cut none (the tests above)."""
+    import drain_workers
+
+    case = {"optimizer": "adamw", "acco": dict(SHARED, comm_timeout_s=20), "sleep": [0.0, 0.02]}
+    r0, r1 = run_ranks(drain_workers.drain_run, case=case, total=60, drain_every=3, save_every=9,
+                       save_dir=str(tmp_path), timeout=scaled(150))
+    assert [p[:2] for p in r0["points"]] == [p[:2] for p in r1["points"]] and len(r0["points"]) == 20
+    for (i, _, w0), (_, _, w1) in zip(r0["points"], r1["points"]):
+        assert equal(w0, w1), f"committed weights differ at micro-batch {i}"
+    assert equal(r0["final"], r1["final"]) and r0["global_steps"] == r1["global_steps"] > 5
+    assert "drain" in r0["reasons"] + r1["reasons"]
