@@ -55,9 +55,10 @@ class AccoConfig(BaseModel):
     enabled: bool = Field(False, description="Use ACCO; false gives stock ZeRO-1, bit for bit.")
     mode: Literal["acco", "dpu"] = Field(
         "acco", description="'acco': estimate + commit rounds; 'dpu': one-step-delayed update.")
-    accumulation: Literal["fixed", "dynamic"] = Field(
+    accumulation: Literal["fixed", "dynamic", "shared"] = Field(
         "fixed", description="'fixed': A/2 (acco) or A (dpu) micro-batches per phase; 'dynamic': a phase ends "
-        "when its round has finished.")
+        "when its round has finished; 'shared': fixed's global count per phase (ranks x A/2, or x A), shared "
+        "among the ranks by their measured speed.")
     dynamic: Optional[DynamicConfig] = Field(None, description="Settings of accumulation 'dynamic'.")
     weighting: Literal["micro_batch", "sample", "token"] = Field(
         "micro_batch", description="What each gradient is averaged over; 'sample' / 'token' need "
@@ -133,15 +134,17 @@ class AccoConfig(BaseModel):
         return cfg
 
     def phase_length(self, gradient_accumulation_steps: int) -> int:
-        """Micro-batches per phase in fixed accumulation."""
+        """Micro-batches per phase and rank in fixed accumulation (in 'shared': the equal share)."""
         return gradient_accumulation_steps // 2 if self.mode == "acco" else gradient_accumulation_steps
 
     def phase_policy(self, gradient_accumulation_steps: int):
         """The core's phase policy for this config (what ends a phase)."""
-        from .core.phases import DynamicPhases, FixedPhases
+        from .core.phases import DynamicPhases, FixedPhases, SharedPhases
         if self.accumulation == "dynamic":
             d = self.dynamic_bounds(gradient_accumulation_steps)
             return DynamicPhases(d.min_micro_batches, d.max_micro_batches, d.check_every)
+        if self.accumulation == "shared":
+            return SharedPhases(self.phase_length(gradient_accumulation_steps))
         return FixedPhases(self.phase_length(gradient_accumulation_steps))
 
     def dynamic_bounds(self, gradient_accumulation_steps: int) -> DynamicConfig:
@@ -237,6 +240,19 @@ def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int, fp
                          "are how the dynamic scaler finds its scale (the step is skipped and the scale halved), so "
                          "raising would stop the run at the first one; fix: set acco.nonfinite to 'skip', or a "
                          "static fp16.loss_scale > 0")
+
+
+# Why a caller that counts A micro-batches per rank per optimizer step (Megatron, HF Trainer /
+# Accelerate) cannot follow each policy: the reasons its refusals give.
+UNEVEN_STEPS = {
+    "dynamic": "dynamic ACCO commits a step whenever a round finishes, with as many micro-batches as fitted "
+               "under it (twice per iteration, or more), so its LR schedule and step counts would run ahead of "
+               "its own",
+    "shared": "shared ACCO keeps the global batch but gives each rank its own number of micro-batches per step "
+              "(its share by measured speed), so every rank's count of A micro-batches per step drifts from the "
+              "committed steps, differently on each rank, and the ranks stop evaluating and saving at the same "
+              "points",
+}
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

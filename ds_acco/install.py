@@ -53,7 +53,7 @@ from typing import Any, Callable, List, Tuple
 
 from . import _routing
 from ._routing import installed
-from .config import ACCO_KEY, acco_config_of, load_ds_config
+from .config import ACCO_KEY, UNEVEN_STEPS, acco_config_of, load_ds_config
 
 _LOCK = threading.RLock()
 _ROUTING = threading.local()  # .active: this thread is inside the router (nested calls -> original)
@@ -158,20 +158,22 @@ def _patch_frameworks() -> None:
                 _patch(trainer, name, _on_committed_weights(getattr(trainer, name)))
 
 
-_DYNAMIC_UNDER_ACCELERATE = (
-    "acco.accumulation = 'dynamic' under Accelerate / HF Trainer: the Trainer counts one optimizer step "
-    "per gradient_accumulation_steps micro-batches (max_steps, save_steps, its LR schedule, checkpoint "
-    "names) while dynamic ACCO commits a step whenever a round finishes, so the two counts drift apart; "
-    "fix: use \"accumulation\": \"fixed\" with HF Trainer, or drive the engine yourself "
-    "(engine.backward + engine.step per micro-batch, loop on engine.global_steps)")
+def _under_accelerate_refusal(accumulation: str) -> str:
+    return (f"acco.accumulation = {accumulation!r} under Accelerate / HF Trainer: the Trainer counts one optimizer "
+            "step per gradient_accumulation_steps micro-batches on every rank (max_steps, save_steps, its LR "
+            f"schedule, checkpoint names) while {UNEVEN_STEPS[accumulation]}; fix: use \"accumulation\": "
+            "\"fixed\" with HF Trainer, or drive the engine yourself (engine.backward + engine.step per "
+            "micro-batch, loop on engine.global_steps)")
 
 
 def _refuse_dynamic_under_accelerate(arguments: dict) -> None:
-    """Refused at ``initialize``, before any engine or banner exists (not at the first backward)."""
+    """Refused at ``initialize``, before any engine or banner exists (not at the first backward):
+    dynamic and shared accumulation."""
     a = arguments
     raw = load_ds_config(a.get("config") if a.get("config") is not None else a.get("config_params"), a.get("args"))
-    if acco_config_of(raw).accumulation == "dynamic":
-        raise ValueError(_DYNAMIC_UNDER_ACCELERATE)
+    accumulation = acco_config_of(raw).accumulation
+    if accumulation != "fixed":
+        raise ValueError(_under_accelerate_refusal(accumulation))
 
 
 def _accelerate_backward(original: Callable) -> Callable:
@@ -181,8 +183,8 @@ def _accelerate_backward(original: Callable) -> Callable:
         if not _is_acco_engine(engine):
             return original(self, loss, sync_gradients=sync_gradients, **kwargs)
         config = getattr(engine, "_acco_config", None)
-        if config is not None and config.accumulation == "dynamic":
-            raise ValueError(_DYNAMIC_UNDER_ACCELERATE)
+        if config is not None and config.accumulation != "fixed":
+            raise ValueError(_under_accelerate_refusal(config.accumulation))
         # ACCO decides its own phase ends from the micro-batches counted in engine.step();
         # Accelerate's sync_gradients (one optimizer step = A micro-batches) is not needed.
         if kwargs.pop("scale_wrt_gas", True) is False:

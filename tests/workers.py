@@ -276,7 +276,9 @@ def install_slow_lane(engine, seconds):
 
 
 def train_until(case: dict):
-    """Feed micro-batches until ``case['steps']`` commits; return what a replay needs."""
+    """Feed micro-batches until ``case['steps']`` commits; return what a replay needs.
+    ``case['save']``: (dir, n) saves tag 'step<n>' right after the step() that committed the n-th
+    step; ``case['resume']``: (dir, n) loads it first and goes on (its micro-batch index too)."""
     import os
     import time
     rank = int(os.environ["RANK"])
@@ -290,7 +292,12 @@ def train_until(case: dict):
         install_slow_lane(engine, case["slow_lane"])
     schedule = engine.optimizer.schedule
     sleep = case.get("sleep", {}).get(str(rank), 0.0)
-    i = 0
+    i, losses, shares = 0, [], []
+    if case.get("resume"):
+        path, client = engine.load_checkpoint(case["resume"][0], tag=f"step{case['resume'][1]}")
+        assert path is not None
+        i = client["fed"][rank]
+    save_dir, save_at = case.get("save", (None, None))
     while engine.global_steps < case["steps"]:
         if case.get("tokens"):
             x, y, mask = token_batch(rank, i)
@@ -308,15 +315,27 @@ def train_until(case: dict):
                 time.sleep(0.001)
         engine.step()
         i += 1
+        losses.append(loss.item())
+        shares.append(getattr(schedule.phases, "shares", None))
+        if save_dir is not None and engine.global_steps == save_at:
+            # Ranks consume their data unevenly in dynamic and shared mode: every rank's position goes
+            # into the checkpoint (DeepSpeed writes client_state from rank 0 only).
+            fed = [None] * dist.get_world_size()
+            dist.all_gather_object(fed, i)
+            engine.save_checkpoint(save_dir, tag=f"step{save_at}", client_state={"fed": fed})
+            save_dir = None
     with ds_acco.committed_weights(engine):
         final = snapshot(engine.module)
     out = {
         "final": final,
+        "losses": losses,
+        "shares": shares,  # after each micro-batch (accumulation 'shared')
         "fed": i,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "phases": [{"kind": p.kind.value, "data_step": p.data_step, "micro_batches": p.tally.micro_batches,
                     "weight": p.tally.weight, "wait_s": p.wait_s, "reason": p.reason} for p in schedule.history],
+        "seconds_per_micro_batch": schedule.seconds_per_micro_batch,
         "metrics": engine.acco_metrics_history,
         "max_micro_batches": getattr(schedule.phases, "max_micro_batches", None),
     }

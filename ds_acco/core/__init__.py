@@ -7,7 +7,7 @@ rank sends along with a round) and ``driver`` (the protocol every adapter speaks
 """
 from .buffers import BufferGroup, FlatBuffers
 from .driver import AccoDriver
-from .phases import DynamicPhases, FixedPhases, PhaseKind
+from .phases import DynamicPhases, FixedPhases, PhaseKind, SharedPhases, share_by_speed
 from .report import RoundReport
 from .rounds import NonFiniteGradientError, RoundKind, RoundResult
 from .schedule import AccoSchedule, ScheduleOptions
@@ -15,4 +15,4 @@ from .shard_optimizer import ShardOptimizer
 
 __all__ = ["AccoDriver", "AccoSchedule", "BufferGroup", "DynamicPhases", "FixedPhases", "FlatBuffers",
            "NonFiniteGradientError", "PhaseKind", "RoundKind", "RoundReport", "RoundResult", "ScheduleOptions",
-           "ShardOptimizer"]
+           "SharedPhases", "ShardOptimizer", "share_by_speed"]

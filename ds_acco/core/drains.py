@@ -97,7 +97,8 @@ class DrainAgreement:
             report = self._report(drain)
             ctx = self.context
             probe = self.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
-            per_rank, reports = self.lane.wait(probe)
+            with self._off_the_clock():
+                per_rank, reports = self.lane.wait(probe)
             check_no_drain_abort(reports)
             if all(p.drain == drain for p in reports):
                 return None if inflight is None else inflight.result  # nobody launched a round there

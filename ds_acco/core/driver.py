@@ -38,6 +38,7 @@ from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
 from ..metrics import StepMetrics, format_line, scalar_items
 from .buffers import BufferGroup
+from .phases import FixedPhases, SharedPhases
 from .report import RoundReport
 from .rounds import RoundKind, RoundResult
 from .schedule import AccoSchedule, ScheduleOptions
@@ -172,8 +173,13 @@ class AccoDriver:
         g = self.schedule.groups
         comm_mb = sum(x.comm.numel() for x in g) / 2 ** 20
         phases = self.options.phases
-        length = (f"{phases.micro_batches} micro-batches per phase" if hasattr(phases, "micro_batches") else
-                  f"dynamic phases of {phases.min_micro_batches}..{phases.max_micro_batches} micro-batches")
+        if isinstance(phases, SharedPhases):
+            length = (f"{phases.micro_batches * self.schedule.world} micro-batches per phase over all ranks, shared "
+                      "by measured speed")
+        elif isinstance(phases, FixedPhases):
+            length = f"{phases.micro_batches} micro-batches per phase"
+        else:
+            length = f"dynamic phases of {phases.min_micro_batches}..{phases.max_micro_batches} micro-batches"
         dtypes = g[0]
         return (f"ACCO is on{' (' + framework + ')' if framework else ''}: mode={self.config.mode}, {length} "
                 f"(gradient_accumulation_steps={self.gradient_accumulation_steps}), communication buffer "

@@ -6,9 +6,11 @@ know nothing about rounds beyond "has the one in flight finished".
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 
 class PhaseKind(str, enum.Enum):
@@ -54,6 +56,101 @@ class DynamicPhases:
         return "round_done" if round_done() else None
 
 
+SHARE_BAND = 0.1  # shares change only when the new ones shorten the predicted phase by more than this
+
+
+def share_by_speed(total: int, seconds_per_micro_batch: Sequence[float], minimum: int = 1,
+                   current: Optional[Sequence[int]] = None, band: float = SHARE_BAND) -> Tuple[int, ...]:
+    """Every rank's share of ``total`` micro-batches, proportional to its speed (1 / its seconds
+    per micro-batch); a pure function of its arguments, so every rank computes the same shares.
+
+    * Each share is at least ``minimum``; they sum to ``total`` exactly (``total`` must be at least
+      ``minimum`` × ranks). Quotas ``total · v_i / Σv`` are rounded by largest remainder (ties to
+      the lower rank); a rank whose quota is below ``minimum`` gets ``minimum`` and the others
+      share the rest in the same way.
+    * Unknown rates (any not finite or not > 0, e.g. NaN before a rank's first measured phase):
+      ``current``, or equal shares when there is none.
+    * Dead band: with ``current`` given, it is kept unless the new shares shorten the predicted
+      phase, max_i(n_i · s_i), by more than the fraction ``band`` of it. Ranks of equal speed
+      measured with noise therefore keep their (equal) shares; a lasting difference moves them.
+    """
+    world = len(seconds_per_micro_batch)
+    total, minimum = int(total), int(minimum)
+    if world < 1 or minimum < 0 or total < minimum * world:
+        raise ValueError(f"cannot share {total} micro-batches among {world} ranks with at least {minimum} each")
+    if current is not None:
+        current = tuple(int(n) for n in current)
+        if len(current) != world or sum(current) != total or min(current) < minimum:
+            raise ValueError(f"current shares {current} do not share {total} among {world} ranks (>= {minimum})")
+    if total % world == 0:
+        equal = (total // world,) * world
+    else:  # fixed mode's totals divide evenly; any other total: the first ranks get the extra ones
+        equal = tuple(total // world + (r < total % world) for r in range(world))
+    seconds = [float(s) for s in seconds_per_micro_batch]
+    if not all(math.isfinite(s) and s > 0 for s in seconds):
+        return current if current is not None else equal
+    new = _largest_remainder(total, [1.0 / s for s in seconds], minimum)
+    if current is None or new == current:
+        return new
+    phase = lambda shares: max(n * s for n, s in zip(shares, seconds))  # noqa: E731
+    return new if phase(new) < phase(current) * (1.0 - band) else current
+
+
+def _largest_remainder(total: int, speeds: Sequence[float], minimum: int) -> Tuple[int, ...]:
+    shares = [0] * len(speeds)
+    free = list(range(len(speeds)))
+    left = total
+    while True:
+        v = sum(speeds[r] for r in free)
+        quota = {r: left * speeds[r] / v for r in free}
+        pinned = [r for r in free if quota[r] < minimum]
+        if not pinned:
+            break
+        for r in pinned:
+            shares[r] = minimum
+            free.remove(r)
+        left -= minimum * len(pinned)
+    for r in free:
+        shares[r] = int(math.floor(quota[r]))
+    rest = left - sum(shares[r] for r in free)
+    for r in sorted(free, key=lambda r: (-(quota[r] - shares[r]), r))[:rest]:
+        shares[r] += 1
+    return tuple(shares)
+
+
+@dataclass(frozen=True)
+class SharedPhases:
+    """All ranks together run fixed mode's ``micro_batches`` × ranks per phase, shared by measured
+    speed: this rank's phase ends after ``shares[rank]`` micro-batches (:func:`share_by_speed`).
+    A value: the schedule replaces it with :meth:`reshare`'s at each phase end."""
+    micro_batches: int  # fixed mode's phase length per rank (the equal share)
+    band: float = SHARE_BAND
+    rank: int = 0
+    shares: Tuple[int, ...] = ()  # this phase's share of every rank; () before :meth:`for_rank`
+
+    def for_rank(self, rank: int, world: int, shares: Optional[Sequence[int]] = None) -> "SharedPhases":
+        """This policy for ``rank`` of ``world``, at ``shares`` (default: equal, fixed mode's)."""
+        shares = tuple(int(n) for n in shares) if shares is not None else (self.micro_batches,) * world
+        if len(shares) != world or sum(shares) != self.micro_batches * world or min(shares) < 1:
+            raise ValueError(f"shares {shares} do not share {self.micro_batches * world} micro-batches among "
+                             f"{world} ranks")
+        return dataclasses.replace(self, rank=rank, shares=shares)
+
+    @property
+    def share(self) -> int:
+        return self.shares[self.rank] if self.shares else self.micro_batches
+
+    def ends(self, n: int, round_done: Callable[[], bool]) -> Optional[str]:
+        """Why the phase ends after its ``n``-th micro-batch, or None if it goes on."""
+        return "shared" if n >= self.share else None
+
+    def reshare(self, seconds_per_micro_batch: Sequence[float]) -> "SharedPhases":
+        """The next phase's policy, from every rank's measured seconds per micro-batch."""
+        shares = share_by_speed(self.micro_batches * len(self.shares), seconds_per_micro_batch,
+                                current=self.shares, band=self.band)
+        return self if shares == self.shares else dataclasses.replace(self, shares=shares)
+
+
 @dataclass
 class PhaseRecord:
     """One finished phase as the compute lane saw it (for metrics and replay)."""
@@ -62,5 +159,5 @@ class PhaseRecord:
     tally: Tally
     wait_s: float  # blocked at its end, waiting for the round that overlapped it
     ended_at: float
-    reason: str  # 'fixed', 'round_done' or 'max' (the phase policy's answer), 'drain' (ended early so
+    reason: str  # 'fixed', 'shared', 'round_done' or 'max' (the phase policy's answer), 'drain' (ended early so
     # that a drain finishes the round a peer launched, dynamic mode) or 'forced'

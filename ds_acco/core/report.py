@@ -26,7 +26,9 @@ class RoundReport:
     step t. ``stop``: a SIGTERM asked this rank to stop; every rank stops at the round that
     carries it. ``drain`` / ``drain_at``: dynamic mode only (schedule.py, "Drains agree"): the
     drain this rank is in (its number; 0 outside a drain; :data:`DRAIN_ABORT`) and its
-    micro-batch count then."""
+    micro-batch count then. ``compute_s_per_micro_batch``: this rank's compute seconds per
+    micro-batch over its last measured phase (NaN before one; the schedule fills it): what
+    accumulation 'shared' splits each phase by (phases.py, :func:`share_by_speed`)."""
     exposed_comm_s: float = math.nan
     comm_s: float = math.nan
     micro_batches: float = math.nan
@@ -34,6 +36,7 @@ class RoundReport:
     stop: bool = False
     drain: int = 0
     drain_at: int = 0
+    compute_s_per_micro_batch: float = math.nan
 
     @classmethod
     def width(cls) -> int:

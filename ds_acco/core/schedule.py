@@ -11,6 +11,12 @@ Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G
 G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a round is
 :func:`.rounds.run_round` on the lane. Dynamic mode's drains agree across ranks: :mod:`.drains`;
 the in-flight state of checkpoints: :mod:`.schedule_state`.
+
+Accumulation 'shared' (:class:`.phases.SharedPhases`): each rank measures its compute seconds per
+micro-batch over a phase (wall time minus the time it was blocked on rounds and drains) and sends
+it with the round it launches at that phase's end. At its n-th phase end every rank collects the
+same round n-1, so every rank computes the next phase's shares from the same table: the shares
+agree with no collective of their own. (The bootstrap phase, a warm-up, is not measured.)
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from ..comm.lane import CommLane
 from . import chunking
 from .buffers import BufferGroup
 from .drains import DrainAgreement
-from .phases import FixedPhases, PhaseKind, PhaseRecord, Tally
+from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases, Tally
 from .report import RoundReport
 from .rounds import RoundContext, RoundKind, RoundResult, run_round
 from .schedule_state import ScheduleState, _InFlight
@@ -38,7 +44,7 @@ from .schedule_state import ScheduleState, _InFlight
 class ScheduleOptions:
     """How the schedule runs; built from the ``"acco"`` config by :meth:`from_config`."""
     mode: str  # 'acco' or 'dpu'
-    phases: object  # FixedPhases or DynamicPhases: when a phase ends
+    phases: object  # FixedPhases, DynamicPhases or SharedPhases: when a phase ends
     gas_scale: float = 1.0  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A)
     clip_grad: float = 0.0  # clip each round's global mean gradient to this norm (0: off)
     nonfinite: str = "skip"  # 'skip' or 'raise' on a non-finite global mean gradient
@@ -106,6 +112,8 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         self.options = options
         self.mode = options.mode
         self.phases = options.phases
+        if isinstance(self.phases, SharedPhases):
+            self.phases = self.phases.for_rank(rank, world)  # equal shares (fixed mode's) until rates are known
         self.context = RoundContext(
             groups=self.groups, shard_optimizer=shard_optimizer, process_group=process_group, rank=rank, world=world,
             gas_scale=options.gas_scale, clip_grad=options.clip_grad, nonfinite=options.nonfinite,
@@ -140,6 +148,11 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         self._closed = False
         self.last_commit_grad_norm: Optional[float] = None  # the newest collected commit's (checkpointed)
         self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
+        # This rank's speed, sent with each round (accumulation 'shared' splits phases by it):
+        self.seconds_per_micro_batch = math.nan  # over the last measured phase
+        self._phase_clock: Optional[tuple] = None  # (phase start, off-clock seconds then); None: not measured
+        self._off_clock_s = 0.0  # seconds blocked on rounds and drains, ever
+        self._off_clock_depth = 0
         for g in self.groups:
             g.zero_grads()
 
@@ -192,7 +205,8 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         """Phase boundary: collect the round in flight, swap, launch the next round (with
         ``exchanged``: join a round whose counts table a drain probe already exchanged)."""
         with record_function("ACCO::phase_end"):
-            ended, wait_s = self.phase, 0.0
+            self._measure_phase()
+            ended, wait_s, collected = self.phase, 0.0, self._inflight
             if reason is None and self._decision and self._decision[0] == self.micro_batches - 1:
                 reason = self._decision[1]
             step = self.step_index
@@ -218,6 +232,9 @@ class AccoSchedule(DrainAgreement, ScheduleState):
             self.history.append(PhaseRecord(ended, data_step, self.phase_tally, wait_s, time.perf_counter(),
                                             reason or "forced"))
             self.phase_tally = Tally()
+            if isinstance(self.phases, SharedPhases) and collected is not None and collected.result.peer_report:
+                self.phases = self.phases.reshare([p.compute_s_per_micro_batch for p in collected.result.peer_report])
+            self._phase_clock = (time.perf_counter(), self._off_clock_s)
 
     @property
     def round_in_flight(self) -> Optional[RoundKind]:
@@ -231,6 +248,11 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         A commit round in flight is waited for (its θ is the newest); an estimate round is not:
         the live weights already are the committed θ_t and the round may go on.
         """
+        with self._off_the_clock(), self._swapped_to_committed():  # an evaluation is not micro-batch compute
+            yield
+
+    @contextlib.contextmanager
+    def _swapped_to_committed(self):
         if self.agrees_drains:
             self.drain()  # on every rank, whatever the kind in flight: drains must pair up
         inflight = self._inflight
@@ -284,9 +306,32 @@ class AccoSchedule(DrainAgreement, ScheduleState):
 
     def _report(self, drain: int = 0) -> RoundReport:
         """What this rank sends with a round or a probe: the caller's report, with the drain it is
-        in (``drain``, 0 outside one) and its micro-batch count then."""
+        in (``drain``, 0 outside one), its micro-batch count then and its measured speed."""
         report = self.report() if self.report is not None else RoundReport()
-        return dataclasses.replace(report, drain=drain, drain_at=self.micro_batches if drain else 0)
+        return dataclasses.replace(report, drain=drain, drain_at=self.micro_batches if drain else 0,
+                                   compute_s_per_micro_batch=self.seconds_per_micro_batch)
+
+    @contextlib.contextmanager
+    def _off_the_clock(self):
+        """Time inside is not this rank's micro-batch compute (a wait for a round, a drain, an
+        evaluation): it is left out of :attr:`seconds_per_micro_batch`. Nests."""
+        self._off_clock_depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._off_clock_depth -= 1
+            if self._off_clock_depth == 0:
+                self._off_clock_s += time.perf_counter() - t0
+
+    def _measure_phase(self) -> None:
+        """At a phase end: this rank's compute seconds per micro-batch over the phase (host clock,
+        no device sync: it counts what the host waited for, e.g. a backward's kernels where the
+        caller reads the loss)."""
+        clock, n = self._phase_clock, self.phase_tally.micro_batches
+        if clock is not None and n > 0:
+            started, off = clock
+            self.seconds_per_micro_batch = (time.perf_counter() - started - (self._off_clock_s - off)) / n
 
     def _launch(self, kind: RoundKind, clear_grads: bool, exchanged: Optional[tuple] = None) -> None:
         self._sync_accumulated_loss_scale()  # a scale set after the last backward: G follows it into B
@@ -315,7 +360,8 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     def _wait(self, inflight: _InFlight) -> RoundResult:
         if inflight.result is None:
             t0 = time.perf_counter()
-            inflight.result = self.lane.wait(inflight.handle)
+            with self._off_the_clock():
+                inflight.result = self.lane.wait(inflight.handle)
             inflight.wait_s += time.perf_counter() - t0
             result = inflight.result
             result.wait_s = inflight.wait_s

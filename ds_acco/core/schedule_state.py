@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..comm import collectives
 from ..comm.lane import RoundHandle
-from .phases import PhaseKind, Tally
+from .phases import PhaseKind, SharedPhases, Tally
 from .rounds import RoundKind, RoundResult
 
 
@@ -48,6 +48,7 @@ class ScheduleState:
             "accumulated_loss_scale": self.accumulated_loss_scale,
             "drains": self.drains,
             "last_commit_grad_norm": self.last_commit_grad_norm,
+            "shares": list(self.phases.shares) if isinstance(self.phases, SharedPhases) else None,
             "groups": [g.export_state(self._swapped) for g in self.groups],
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
@@ -83,6 +84,9 @@ class ScheduleState:
         self._sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
         self._decision = None
         self.context.pending_drift = None  # a drift measured before the load belongs to no step after it
+        if isinstance(self.phases, SharedPhases) and state.get("shares"):  # none: saved in another mode
+            self.phases = self.phases.for_rank(self.rank, self.world, state["shares"])
+        self._phase_clock = None  # the phase in progress began before the save: not measured
         if info is None:
             self._inflight = None
         else:  # a finished round whose result sits in B
@@ -102,6 +106,7 @@ class ScheduleState:
         self.buffer_tally = Tally()
         self._decision = None
         self.context.pending_drift = None  # a drift measured before the load belongs to no step after it
+        self._phase_clock = None  # a new bootstrap phase: not measured
         self.accumulated_loss_scale = self._current_loss_scale()
         for g in self.groups:
             g.zero_grads()

@@ -19,8 +19,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
-from ..config import AccoConfig, acco_config_of, check_deepspeed_compat, load_ds_config
+from ..config import UNEVEN_STEPS, AccoConfig, acco_config_of, check_deepspeed_compat, load_ds_config
 from ..core import publish
+from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
 from .optimizer import _REPLACED_KNOBS, AccoZeroOptimizer
 
@@ -110,8 +111,8 @@ class AccoEngine(DeepSpeedEngine):
         answers. The caller's flag itself is advisory: the phase ends are ACCO's."""
         if self._acco_driver() is None:
             return super().set_gradient_accumulation_boundary(is_boundary)
-        if self._acco_config.accumulation == "dynamic":
-            raise ValueError(_DYNAMIC_CALLER_BOUNDARY)
+        if self._acco_config.accumulation != "fixed":
+            raise ValueError(_caller_boundary_refusal(self._acco_config.accumulation))
         self._acco_caller_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
@@ -157,8 +158,8 @@ class AccoEngine(DeepSpeedEngine):
 
     def _acco_check_caller_boundary(self, driver) -> None:
         phases = driver.options.phases
-        if self._acco_warned_boundary or not hasattr(phases, "micro_batches"):
-            return  # dynamic phases: no fixed relation to the caller's batches
+        if self._acco_warned_boundary or not isinstance(phases, FixedPhases):
+            return  # dynamic / shared phases: no fixed relation to the caller's batches (refused there)
         at_step_end = driver.schedule.micro_batches % self.gradient_accumulation_steps() == 0
         if at_step_end != self._acco_caller_boundary and self.global_rank == 0:
             self._acco_warned_boundary = True
@@ -385,19 +386,19 @@ def _refuse_model_parallelism(model, mpu) -> None:
                              "model with stock ZeRO (disable acco)")
 
 
-_DYNAMIC_CALLER_BOUNDARY = (
-    "acco.accumulation = 'dynamic' with a caller that sets the accumulation boundary and calls step() once "
-    "per iteration (Megatron-DeepSpeed's train_step): the caller counts one optimizer step, one "
-    "lr_kwargs increment and one global batch per iteration, while dynamic ACCO commits a step whenever a "
-    "round finishes (twice per iteration, or more), so its LR schedule would run ahead of its iteration "
-    "count; fix: use \"accumulation\": \"fixed\" (the same batches and steps as stock), or drive the engine "
-    "with engine.backward + engine.step per micro-batch and loop on engine.global_steps")
+def _caller_boundary_refusal(accumulation: str) -> str:
+    return (f"acco.accumulation = {accumulation!r} with a caller that sets the accumulation boundary and calls "
+            "step() once per iteration (Megatron-DeepSpeed's train_step): the caller counts one optimizer step, "
+            "one lr_kwargs increment and one global batch per iteration of A micro-batches on every rank, while "
+            f"{UNEVEN_STEPS[accumulation]}; fix: use \"accumulation\": \"fixed\" (the same batches and steps as "
+            "stock), or drive the engine with engine.backward + engine.step per micro-batch and loop on "
+            "engine.global_steps")
 
 
 def _refuse_dynamic_under_megatron(acco: AccoConfig, mpu, lr_scheduler) -> None:
     """Megatron-DeepSpeed passes its ``mpu`` (with --no-pipeline-parallel) and a scheduler stepped
-    with ``increment=``: refuse dynamic accumulation there, before any engine is built."""
-    if acco.accumulation != "dynamic":
+    with ``increment=``: refuse dynamic and shared accumulation there, before any engine is built."""
+    if acco.accumulation == "fixed":
         return
     import inspect
     step = getattr(lr_scheduler, "step", None)
@@ -406,7 +407,7 @@ def _refuse_dynamic_under_megatron(acco: AccoConfig, mpu, lr_scheduler) -> None:
     except (TypeError, ValueError):
         increments = False
     if mpu is not None or increments:
-        raise ValueError(_DYNAMIC_CALLER_BOUNDARY)
+        raise ValueError(_caller_boundary_refusal(acco.accumulation))
 
 
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):

@@ -45,7 +45,7 @@ def test_every_field_survives_the_table_by_name(cls):
 
 def test_a_table_of_the_wrong_width_is_refused():
     table = torch.zeros(2, RoundReport.width() - 1, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"\(world, 7\).*got rows of \[6\] floats.*fix: run the same ds_acco"):
+    with pytest.raises(ValueError, match=r"\(world, 8\).*got rows of \[7\] floats.*fix: run the same ds_acco"):
         RoundReport.unpack(table)
     with pytest.raises(ValueError, match="must be"):
         WiderReport.unpack(torch.zeros(2, RoundReport.width(), dtype=torch.float64))  # a field short
@@ -67,9 +67,10 @@ def test_stop_request_and_drain_flags_travel_whatever_the_fields(monkeypatch, cl
     # This rank's report as the schedule builds it for a drain probe: the driver's report (its
     # metrics and stop request) with the drain fields filled in.
     driver_report = dataclasses.replace(distinct(cls, 1), stop=False, drain=0, drain_at=0)
-    schedule = SimpleNamespace(report=lambda: driver_report, micro_batches=17)
+    schedule = SimpleNamespace(report=lambda: driver_report, micro_batches=17, seconds_per_micro_batch=0.125)
     mine = AccoSchedule._report(schedule, drain=4)
     assert type(mine) is cls and (mine.drain, mine.drain_at, mine.stop) == (4, 17, False)
+    assert mine.compute_s_per_micro_batch == 0.125
     peer = dataclasses.replace(distinct(cls, 2), stop=True, drain=0, drain_at=0)
     per_rank, reports = _exchange(monkeypatch, mine, peer)
     assert per_rank == [Tally(3, 2.5), Tally(5, 5.0)]

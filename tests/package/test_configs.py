@@ -13,7 +13,8 @@ from ds_acco.config import ACCO_KEY, acco_config_of, check_deepspeed_compat
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "ds_configs").glob("*.json"))
-EXPECTED = {"zero1.json", "acco.json", "dpu.json", "acco_dynamic.json", "acco_bf16.json", "acco_fp16.json"}
+EXPECTED = {"zero1.json", "acco.json", "dpu.json", "acco_dynamic.json", "acco_shared.json", "acco_bf16.json",
+            "acco_fp16.json"}
 
 
 def load(path: Path) -> dict:
@@ -54,6 +55,8 @@ def test_acco_configs_differ_from_the_baseline_only_where_they_must():
 def test_specific_settings():
     d = acco_config_of(load(CONFIGS[0].parent / "acco_dynamic.json"))
     assert d.accumulation == "dynamic" and d.mode == "acco"
+    s = acco_config_of(load(CONFIGS[0].parent / "acco_shared.json"))
+    assert s.accumulation == "shared" and s.mode == "acco" and s.dynamic is None
     raw = load(CONFIGS[0].parent / "acco_bf16.json")
     ds = DeepSpeedConfig(raw)
     assert ds.bfloat16_config.enabled and "data_types" not in raw  # bf16 accumulation: ZeRO-1, not BF16_Optimizer

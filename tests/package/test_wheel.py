@@ -27,7 +27,8 @@ from timeouts import scaled
 from ds_acco.bench import runner
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = {"acco.json", "acco_bf16.json", "acco_dynamic.json", "acco_fp16.json", "dpu.json", "zero1.json"}
+SHIPPED = {"acco.json", "acco_bf16.json", "acco_dynamic.json", "acco_fp16.json", "acco_shared.json", "dpu.json",
+           "zero1.json"}
 
 
 # -- in this interpreter (fast) ------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""accumulation 'shared': fixed mode's global count per phase, shared among the ranks by measured
+speed (2 gloo ranks, one slowed by a sleep in its loop), replayed through the float64 reference;
+equal to fixed mode bit for bit without heterogeneity; an exact resume; refused where a caller
+counts A micro-batches per rank per step."""
+import pytest
+import torch
+
+from dist import run_ranks
+from timeouts import scaled
+from fixtures import TinyNet, batch, ds_config, make_optimizer, make_scheduler
+from reference import reference_replay
+import workers
+
+STEPS, GAS, SAVE_AT = 6, 4, 3
+SHARED = {"enabled": True, "mode": "acco", "accumulation": "shared"}
+# The sleeps dominate a TinyNet micro-batch (a few ms), so the measured rates are stable on a
+# loaded host: equal sleeps stay well inside the dead band; 40 ms vs ~0 puts rank 1 > 5x slower,
+# whose shares (3, 1) in mode acco and (7, 1) in dpu no timing noise changes.
+EVEN = {"0": 0.02, "1": 0.02}
+SLOW1 = {"1": 0.04}
+CASES = {
+    "fixed": {"optimizer": "adamw", "schedule": "inv", "clip": 0.5, "acco": dict(SHARED, accumulation="fixed")},
+    "shared-even": {"optimizer": "adamw", "schedule": "inv", "clip": 0.5, "acco": SHARED, "sleep": EVEN},
+    "shared-slow": {"optimizer": "adamw", "schedule": "inv", "clip": 0.5, "acco": SHARED, "sleep": SLOW1},
+    "shared-slow-sgd": {"optimizer": "sgd", "acco": SHARED, "sleep": {"0": 0.04}},
+    "dpu-shared-slow": {"optimizer": "adamw", "acco": dict(SHARED, mode="dpu"), "sleep": SLOW1},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("shared-ckpt"))
+    cases = [dict({"steps": STEPS, "gas": GAS}, **c) for c in CASES.values()]
+    cases[list(CASES).index("shared-slow")]["save"] = (save, SAVE_AT)
+    results = run_ranks(workers.train_until_cases, cases=cases, timeout=scaled(200))
+    out = {name: (results[0][i], results[1][i]) for i, name in enumerate(CASES)}
+    resumed = dict(CASES["shared-slow"], steps=STEPS, gas=GAS, resume=(save, SAVE_AT))
+    out["resumed"] = tuple(r[0] for r in run_ranks(workers.train_until_cases, cases=[resumed], timeout=scaled(200)))
+    return out
+
+
+def total_per_phase(mode):
+    return 2 * (GAS // 2 if mode == "acco" else GAS)
+
+
+def changes(shares):
+    """The shares as they changed (rank 0 records them after each of its micro-batches, rank 1 of its)."""
+    return [s for i, s in enumerate(shares) if i == 0 or s != shares[i - 1]]
+
+
+def equal(a, b):
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_without_heterogeneity_it_is_fixed_mode_bit_for_bit(runs):
+    for rank in (0, 1):
+        fixed, shared = runs["fixed"][rank], runs["shared-even"][rank]
+        assert all(s == (GAS // 2, GAS // 2) for s in shared["shares"]), shared["shares"]
+        assert shared["losses"] == fixed["losses"]
+        assert equal(shared["final"], fixed["final"])
+        assert shared["seconds_per_micro_batch"] >= 0.02  # measured (the sleep is compute to it)
+
+
+@pytest.mark.parametrize("name", ["shared-slow", "shared-slow-sgd", "dpu-shared-slow"])
+def test_the_slow_rank_gets_fewer_and_the_global_count_stays_fixed(runs, name):
+    r0, r1 = runs[name]
+    case = CASES[name]
+    mode = case["acco"]["mode"]
+    slow = 1 if "1" in case["sleep"] else 0
+    total = total_per_phase(mode)
+    counts = [[p["micro_batches"] for p in r["phases"]] for r in (r0, r1)]
+    assert len(counts[0]) == len(counts[1])  # the same rounds on every rank
+    assert all(a + b == total for a, b in zip(*counts)), counts  # every phase: fixed mode's global count
+    assert any(c[slow] < c[1 - slow] for c in zip(*counts)), counts  # shared by speed
+    assert all(c[slow] <= c[1 - slow] for c in zip(*counts)), counts  # never in the slow rank's favour
+    assert {p["reason"] for r in (r0, r1) for p in r["phases"]} == {"shared"}
+    assert changes(r0["shares"]) == changes(r1["shares"])  # every rank computed the same shares
+    # each step commits exactly stock's global batch (world x A micro-batches)
+    assert all(rec["micro_batches_global"] == 2 * GAS for rec in r0["metrics"]), r0["metrics"]
+    assert runs[name][1 - slow]["seconds_per_micro_batch"] * 3 < runs[name][slow]["seconds_per_micro_batch"]
+    want = reference_replay(TinyNet(seed=0), batch, phases_per_rank=counts, steps=r0["global_steps"], mode=mode,
+                            make_optimizer=make_optimizer(case["optimizer"]),
+                            make_scheduler=make_scheduler(case.get("schedule")), clip=case.get("clip", 0.0))
+    num = sum(((r0["final"][n].double() - want[n]) ** 2).sum() for n in want)
+    err = float(torch.sqrt(num / sum((w ** 2).sum() for w in want.values())))
+    print(f"{name}: per-rank phase micro-batches {counts}; relative error {err:.2e}")
+    assert err < 1e-5
+    assert equal(r0["final"], r1["final"])
+    assert r0["global_steps"] == (STEPS if mode == "acco" else STEPS + 1)
+
+
+def test_resume_from_a_step_boundary_is_exact(runs):
+    for rank in (0, 1):
+        full, resumed = runs["shared-slow"][rank], runs["resumed"][rank]
+        after = len(full["losses"]) - len(resumed["losses"])  # micro-batches fed before the save
+        assert after > 0 and full["shares"][after - 1] != (GAS // 2, GAS // 2)  # saved with unequal shares
+        assert resumed["shares"] == full["shares"][after:], "the shares (from measured rates) differed"
+        assert resumed["losses"] == full["losses"][after:]
+        assert equal(resumed["final"], full["final"])
+        assert resumed["global_steps"] == full["global_steps"]
+
+
+# -- refused where the caller counts A micro-batches per rank per step -------------------------------
+def test_refused_at_initialize_under_megatron():
+    import ds_acco
+    from megatron_workers import IncrementLR
+
+    model = TinyNet(seed=0)
+    opt = make_optimizer("adamw")(model)
+    with pytest.raises(ValueError, match="accumulation = 'shared' with a caller that sets the accumulation "
+                                         "boundary.*its share by measured speed.*fix: use .accumulation.: .fixed."):
+        ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=IncrementLR(opt),
+                           config=ds_config(GAS, SHARED), dist_init_required=False)
+
+
+def test_refused_under_accelerate():
+    from ds_acco.install import _refuse_dynamic_under_accelerate
+
+    _refuse_dynamic_under_accelerate({"config": ds_config(GAS, dict(SHARED, accumulation="fixed"))})  # fixed: fine
+    with pytest.raises(ValueError, match="accumulation = 'shared' under Accelerate / HF Trainer.*its share by "
+                                         "measured speed.*fix: use .accumulation.: .fixed. with HF Trainer"):
+        _refuse_dynamic_under_accelerate({"config": ds_config(GAS, SHARED)})
+
+
+def test_drains_at_equal_micro_batch_counts_agree(tmp_path):
+    """Dynamic mode's drain rule (evaluate and save every N micro-batches on every rank) with ranks at
+    different phase positions: the drains agree, never raising DrainMismatchError though the ranks
+    hold different counts; the phases around them are cut (their totals differ from M, as
+    docs/ACCO.md says); drains right after a committing step() cut none (the tests above)."""
+    import drain_workers
+
+    case = {"optimizer": "adamw", "acco": dict(SHARED, comm_timeout_s=20), "sleep": [0.0, 0.02]}
+    r0, r1 = run_ranks(drain_workers.drain_run, case=case, total=60, drain_every=3, save_every=9,
+                       save_dir=str(tmp_path), timeout=scaled(150))
+    assert [p[:2] for p in r0["points"]] == [p[:2] for p in r1["points"]] and len(r0["points"]) == 20
+    for (i, _, w0), (_, _, w1) in zip(r0["points"], r1["points"]):
+        assert equal(w0, w1), f"committed weights differ at micro-batch {i}"
+    assert equal(r0["final"], r1["final"]) and r0["global_steps"] == r1["global_steps"] > 5
+    assert "drain" in r0["reasons"] + r1["reasons"]
