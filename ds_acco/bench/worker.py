@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ds_acco.gpt import CausalLM, heldout_loss, param_groups
 
 LR_RULES = ("sqrt", "linear")  # dynamic_<rule>: acco.dynamic.lr_scaling = <rule>
-DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu")
+DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu", "shared")
 FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
 LR_VARIANTS = tuple(f"dynamic_{r}" for r in LR_RULES)  # DeepSpeed, named explicitly (not in 'all')
 VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS
@@ -93,6 +93,8 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
         cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "fixed"}
     elif variant == "dpu":
         cfg["acco"] = {"enabled": True, "mode": "dpu", "accumulation": "fixed"}
+    elif variant == "shared":  # stock's batch per step, shared among the ranks by measured speed
+        cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "shared"}
     elif variant == "dynamic":
         lo = spec.get("dynamic_min") or max(1, spec["gas"] // 2)
         hi = max(lo, spec.get("dynamic_max") or 256)
