@@ -47,7 +47,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     if not probe_only:
         p.add_argument("--steps", type=int, default=6, help="committed steps per variant, warm-up included")
         p.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings")
-        p.add_argument("--variants", default="stock,fixed,dynamic,dpu", help="comma-separated, run in this order: stock, fixed, dynamic, dpu (DeepSpeed) and fsdp_stock, "
+        p.add_argument("--variants", default="stock,fixed,dynamic,dpu", help="comma-separated, run in this order: stock, fixed, dynamic, dpu, shared (DeepSpeed) and fsdp_stock, "
                        "fsdp_fixed, fsdp_dynamic, fsdp_dpu (FSDP2); 'deepspeed', 'fsdp' or 'all' for a group")
         p.add_argument("--repeat", type=int, default=1, help="run the variant list this many times (alternating)")
         p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end)")
