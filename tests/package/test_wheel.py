@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ds_acco import cli, configs
+from ds_acco.bench import worker
 from timeouts import scaled
 from ds_acco.bench import runner
 
@@ -153,7 +154,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
                 "--out", work / "out"], cwd=work, env=env)
     plan = json.loads(dry.stdout)
     assert _inside(plan["base_config"], venv) and Path(plan["base_config"]).name == "zero1.json"
-    assert len(plan["variants"]) == 8 and len(plan["ranks"]) == 2
+    assert len(plan["variants"]) == len(worker.DS_VARIANTS + worker.FSDP_VARIANTS) and len(plan["ranks"]) == 2
     for r in plan["ranks"]:
         assert r["command"][1:3] == ["-m", "ds_acco.bench.worker"] and _inside(r["command"][0], venv)
         assert "PYTHONPATH" not in r["env"]
