@@ -7,7 +7,7 @@ import torch.distributed as dist
 import ds_acco
 from alloc_counter import AllocCounter
 
-IN = OUT = 1024  # ~1M parameters: a shard of 2 ranks is 512k elements, far above the chunk
+IN = OUT = 512  # ~267k parameters: a shard of 2 ranks is 133k elements, 8 budgets (32 chunks)
 CHUNK = 4096
 
 
