@@ -431,7 +431,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
 
     mb_loss: List[float] = []  # per micro-batch, this rank
     mb_compute: List[float] = []  # forward+backward seconds (stock: the boundary one includes the reduce)
-    mb_step: List[int] = []  # which committed step's data (fixed: i // gas; dynamic: commits so far)
+    mb_step: List[int] = []  # which committed step's data (fixed: i // gas; dynamic, shared: commits so far)
     commits: List[dict] = []  # per committed step: time since the previous one, drained?
     heldout: List[dict] = []
     state = {"seen": engine.global_steps, "t_last": time.perf_counter(), "train_s": 0.0}
@@ -458,11 +458,13 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
 
     eval_every = spec.get("eval_every", 0)
     next_eval = eval_every
-    dynamic = mode_of(variant) == "dynamic"
+    # Dynamic and shared ranks compute different numbers of micro-batches per step: loop on the
+    # committed steps, which every rank reaches at the same phase end (docs/ACCO.md, "Data").
+    by_commits = mode_of(variant) in ("dynamic", "shared")
     cap = steps * gas * max(4, spec.get("dynamic_max") or 256)
     i = 0
     t_start = time.perf_counter()
-    while (engine.global_steps < steps) if dynamic else (i < steps * gas):
+    while (engine.global_steps < steps) if by_commits else (i < steps * gas):
         if i >= cap:
             raise RuntimeError(f"{variant}: {i} micro-batches without reaching {steps} committed steps")
         rows = next(stream)
@@ -473,7 +475,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
         _slow_down(slow, elapsed)
         mb_compute.append(time.perf_counter() - t0)
         mb_loss.append(float(loss.detach()))
-        mb_step.append(engine.global_steps if dynamic else i // gas)
+        mb_step.append(engine.global_steps if by_commits else i // gas)
         engine.step()
         i += 1
         note_commits(time.perf_counter(), drained=False)

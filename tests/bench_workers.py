@@ -1,0 +1,25 @@
+"""The A/B runner's per-rank training loop (ds_acco/bench/worker.py ``run_variant``), run inside
+spawned ranks on an emulated accelerator (tests/bench/test_bench.py)."""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+
+def variant_records(variants, spec):
+    """``run_variant`` for each variant in turn on this rank: its raw records."""
+    import deepspeed
+    from ds_acco import configs
+    from ds_acco.bench import worker
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with open(configs.resolve("acco.json")) as f:
+        base_cfg = json.load(f)
+    g = torch.Generator().manual_seed(0)
+    train = torch.randint(0, 256, (512, spec["seq_len"] + 1), generator=g)
+    heldout = torch.randint(0, 256, (32, spec["seq_len"] + 1), generator=g)
+    return [worker.run_variant(v, spec, base_cfg, train, heldout, rank, world, say=lambda msg: None)
+            for v in variants]
