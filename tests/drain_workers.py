@@ -2,6 +2,7 @@
 while dynamic phases leave them at different phase positions (tests/test_drain_agreement.py)."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ def drain_run(case, total, drain_every, save_every=0, save_dir=None, resume_dir=
     import faulthandler
     faulthandler.dump_traceback_later(case.get("dump_after_s", 100), exit=False)  # a hang shows where
     rank = int(os.environ["RANK"])
+    warned = []  # ds_acco's warnings (e.g. a 'shared' phase held open past a whole phase of all ranks)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("ds_acco").addHandler(handler)
     engine = _engine_for(case)
     schedule = engine.optimizer.schedule
     if case.get("every"):
@@ -62,8 +67,9 @@ def drain_run(case, total, drain_every, save_every=0, save_dir=None, resume_dir=
     reasons = [p.reason for p in schedule.history]
     engine.destroy()
     faulthandler.cancel_dump_traceback_later()
+    logging.getLogger("ds_acco").removeHandler(handler)
     return {"losses": losses, "points": points, "positions": positions, "final": final, "global_steps": steps,
-            "reasons": reasons}
+            "reasons": reasons, "warned": [w for w in warned if "holds its phase open" in w]}
 
 
 def extra_drain_run(case, total, extra_at):

@@ -31,11 +31,12 @@ no probe: it is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 from torch.profiler import record_function
 
-from .phases import FixedPhases, Tally
+from .phases import FixedPhases, SharedPhases, Tally
 from .report import DRAIN_ABORT
 from .rounds import DrainMismatchError, RoundResult, check_no_drain_abort, exchange_tallies
 
@@ -55,6 +56,21 @@ class DrainAgreement:
         return (inflight is not None and inflight.result is not None
                 and _flagged(inflight.result, self.drains + 1))
 
+    def _warn_if_share_stretched(self, drain_at: int) -> None:
+        """Accumulation 'shared': a peer drained at a micro-batch count this rank reaches only after
+        more than a whole phase of all ranks. The loop counts micro-batches per rank, not committed
+        steps, so the phase held open until this rank's drain pools far more than stock's batch."""
+        total = self.phases.micro_batches * self.world if isinstance(self.phases, SharedPhases) else 0
+        if total and self.phase_tally.micro_batches >= total and not getattr(self, "_warned_stretch", False):
+            self._warned_stretch = True
+            logging.getLogger("ds_acco").warning(
+                "ACCO accumulation 'shared': rank %d holds its phase open at %d micro-batches (its share: %d, all "
+                "ranks' per phase: %d) until its own drain at micro-batch %d, because a peer drained at that count. "
+                "Ranks of different speeds reach equal micro-batch counts at different steps: loop on "
+                "engine.global_steps and drain (evaluate, save) right after the step() that committed a step "
+                "(docs/ACCO.md, 'Drains and checkpoints').", self.rank, self.phase_tally.micro_batches,
+                self.phases.share, total, drain_at)
+
     def _check_drains_pair_up(self) -> None:
         """Step 4 of the protocol: raise on every rank if a peer's drain was missed here."""
         if not (self.agrees_drains and self._peer_draining()):
@@ -62,6 +78,7 @@ class DrainAgreement:
         flagged = {r: p for r, p in enumerate(self._inflight.result.peer_report) if p.drain == self.drains + 1}
         at = max(p.drain_at for p in flagged.values())
         if self.micro_batches < at:
+            self._warn_if_share_stretched(at)
             return  # this rank's own drain is still ahead (at micro-batch ``at``)
         ranks = sorted(flagged)
         message = (f"ACCO dynamic mode: rank(s) {ranks} drained (committed_weights, save_checkpoint, evaluation) "

@@ -137,3 +137,18 @@ def test_drains_at_equal_micro_batch_counts_agree(tmp_path):
         assert equal(w0, w1), f"committed weights differ at micro-batch {i}"
     assert equal(r0["final"], r1["final"]) and r0["global_steps"] == r1["global_steps"] > 5
     assert "drain" in r0["reasons"] + r1["reasons"]
+    assert r0["warned"] == r1["warned"] == []  # no phase held open past a whole phase of all ranks
+
+
+def test_a_loop_counting_micro_batches_per_rank_is_warned():
+    """Both ranks run 24 micro-batches and drain once at the end, rank 1 >5x slower: rank 0 gets
+    there at about step 8 and drains; rank 1, at ~8 micro-batches, holds its phase open for the
+    other 16 (4 micro-batches per phase over both ranks). It trains, but that last step pools far
+    more than stock's batch: rank 1 says so, naming the fix (loop on engine.global_steps)."""
+    import drain_workers
+
+    case = {"optimizer": "adamw", "acco": dict(SHARED, comm_timeout_s=20), "sleep": [0.0, 0.02]}
+    r0, r1 = run_ranks(drain_workers.drain_run, case=case, total=24, drain_every=24, timeout=scaled(100))
+    assert r0["warned"] == [] and len(r1["warned"]) == 1, (r0["warned"], r1["warned"])
+    assert "engine.global_steps" in r1["warned"][0] and "rank 1" in r1["warned"][0]
+    assert equal(r0["final"], r1["final"])
