@@ -35,6 +35,10 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     p.add_argument("--subnet", type=int, default=0, help="10.250.<subnet>.0/24 inside the namespaces")
     p.add_argument("--slow-rank", type=int, default=-1, help="rank whose compute is slowed (heterogeneous run)")
     p.add_argument("--slow-factor", type=float, default=1.0, help="that rank computes this many times slower")
+    p.add_argument("--slow-jitter", type=float, default=0.0, help="EMULATION: the slow rank's factor varies per "
+                   "micro-batch, lognormal with this sigma and mean 1 (a straggler)")
+    p.add_argument("--transient", default=None, help="EMULATION: FACTOR,FRACTION[,START]: the slow rank is FACTOR "
+                   "times slower again for FRACTION of the steps from START (default 0.4), e.g. 3,0.2")
     p.add_argument("--emulate-compute-s", default=None,
                    help="accelerator emulation: seconds of waiting (no CPU) per training micro-batch's forward + "
                         "backward, one value or one per rank comma-separated; results are labelled EMULATION "
@@ -85,11 +89,23 @@ def _compute_s(text):
     return values[0] if len(values) == 1 else values
 
 
+def _transient(text):
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+        assert len(values) in (2, 3)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--transient {text!r}: FACTOR,FRACTION[,START], e.g. 3,0.2") from None
+    return dict(zip(("factor", "fraction", "start"), values))
+
+
 def _spec(a, **over) -> runner.ABSpec:
     kw = dict(world=a.world, rate=a.rate, network=a.network, gas=a.gas, micro_batch=a.micro_batch,
               seq_len=a.seq_len, n_embd=a.n_embd, n_layer=a.n_layer, n_head=a.n_head, base_config=a.config,
               seed=a.seed, timeout_s=a.timeout, prefix=a.prefix, subnet=a.subnet, slow_rank=a.slow_rank,
-              slow_factor=a.slow_factor, emulate_compute_s=_compute_s(a.emulate_compute_s),
+              slow_factor=a.slow_factor, slow_jitter=a.slow_jitter, transient=_transient(a.transient),
+              emulate_compute_s=_compute_s(a.emulate_compute_s),
               emulate_params=None if a.emulate_params is None else int(a.emulate_params))
     for k in ("steps", "warmup", "repeat", "eval_every", "eval_batches", "dynamic_min", "dynamic_max",
               "target_loss", "label", "memory"):

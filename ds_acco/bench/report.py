@@ -49,6 +49,8 @@ def markdown_table(summary: dict) -> str:
              f"{summary['steps'] - summary['warmup']} timed steps after {summary['warmup']} warm-up"
              + _baseline_note(summary["variants"]),
              "", head, "|" + "---|" * (head.count("|") - 1)]
+    if summary.get("heterogeneity"):
+        lines[0:0] = [f"**{summary['heterogeneity']}**", ""]
     if summary.get("emulation"):
         lines[0:0] = [f"**{summary['emulation']}**", ""]
     for k in ordered(summary["variants"]):
@@ -426,6 +428,7 @@ def time_to_target(summaries: Sequence[dict], target: Optional[float] = None) ->
                      "step_s": med([r["step_s"] for r in rs if r["step_s"]]), "repeats": rs})
     return {"target": target, "main_gas": main_gas, "rows": rows,
             "emulation": any(s.get("emulation") for s in summaries),
+            "heterogeneity": next((s["heterogeneity"] for s in summaries if s.get("heterogeneity")), None),
             "labels": sorted(s["label"] for s in summaries), "curves": curves}
 
 
@@ -433,6 +436,9 @@ def time_to_target_markdown(res: dict) -> str:
     """The table of :func:`time_to_target`'s result."""
     lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients, real rounds "
               "over the emulated network, real held-out loss of the model trained)", ""] if res["emulation"] else [])
+    if res.get("heterogeneity"):
+        lines += [f"**{res['heterogeneity']}**", ""]
+    stock_eq = next((r["loss_at_equal_tokens"] for r in res["rows"] if r["variant"] == "stock"), None)
     lines += [f"Target held-out loss {res['target']:.4f}. Medians over repeats; [range]. Time = training time "
               "(evaluations excluded), crossing interpolated between evaluations. Ratios within each repeat.", "",
               "| variant | runs | tokens per step | s per step | time to target s [range] | × stock (faster > 1) | "
@@ -448,8 +454,15 @@ def time_to_target_markdown(res: dict) -> str:
         vs = (f"{r['vs_stock']:.2f} [{vr[0]:.2f}–{vr[1]:.2f}]" if r["vs_stock"] is not None else "–")
         lines.append(f"| {name} | {r['runs']} | {_fmt(r['tokens_per_step'], '.0f')} | {_fmt(r['step_s'])} | {ttt} | "
                      f"{vs} | {_fmt(r['loss_at_equal_time'], '.4f')} (at {_fmt(r['equal_time_s'], '.0f')} s) | "
-                     f"{_fmt(r['loss_at_equal_tokens'], '.4f')} |")
+                     f"{_fmt(r['loss_at_equal_tokens'], '.4f')}{_gap(r['loss_at_equal_tokens'], stock_eq)} |")
     return "\n".join(lines)
+
+
+def _gap(loss: Optional[float], stock: Optional[float]) -> str:
+    """`` (+0.36%)``: a loss relative to stock's, for the tables (empty without both)."""
+    if loss is None or not stock:
+        return ""
+    return f" ({(loss / stock - 1) * 100:+.2f}%)"
 
 
 def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "time_to_target",

@@ -56,6 +56,8 @@ class ABSpec:
     eval_batches: int = 4
     slow_rank: int = -1
     slow_factor: float = 1.0
+    slow_jitter: float = 0.0  # σ of the slow rank's lognormal per-micro-batch factor (mean 1)
+    transient: Optional[dict] = None  # {'factor', 'fraction', 'start'}: the slow rank slower for part of the run
     dynamic_min: Optional[int] = None
     dynamic_max: Optional[int] = None
     base_config: str = DEFAULT_CONFIG  # a path, or the name of a shipped config (ds_acco.configs)
@@ -77,6 +79,17 @@ class ABSpec:
             raise ValueError("accelerator emulation needs both emulate_compute_s (--emulate-compute-s) and "
                              f"emulate_params (--emulate-params); got {self.emulate_compute_s!r} and "
                              f"{self.emulate_params!r}")
+        if (self.slow_jitter or self.transient) and self.slow_rank < 0:
+            raise ValueError("slow_jitter / transient slow down the slow rank: name it (--slow-rank R); got "
+                             f"slow_jitter={self.slow_jitter!r}, transient={self.transient!r}")
+        if self.slow_jitter < 0:
+            raise ValueError(f"slow_jitter = {self.slow_jitter!r}: a lognormal sigma, >= 0")
+        if self.transient is not None:
+            t = dict(self.transient)
+            bad = set(t) - {"factor", "fraction", "start"}
+            if bad or not (t.get("factor", 0) >= 1 and 0 < t.get("fraction", 0) <= 1 and 0 <= t.get("start", 0.4) < 1):
+                raise ValueError(f"transient = {self.transient!r}: expected factor >= 1, 0 < fraction <= 1 and "
+                                 "0 <= start < 1 (e.g. --transient 3,0.2: 3x slower for 20% of the steps)")
         if self.memory and (len(self.variants) != 1 or self.repeat != 1):
             raise ValueError(f"memory = true measures one variant per launch (got {list(self.variants)} x "
                              f"{self.repeat}): in one process a later run reuses the heap an earlier one freed; "
@@ -104,6 +117,8 @@ class ABSpec:
             return self.label
         rate = (self.rate or "unshaped").replace(",", "-")
         slow = f"-slow{self.slow_rank}x{self.slow_factor:g}" if self.slow_rank >= 0 else ""
+        slow += f"-jitter{self.slow_jitter:g}" if self.slow_jitter else ""
+        slow += (f"-transient{self.transient['factor']:g}x{self.transient['fraction']:g}" if self.transient else "")
         emu = "-emulated" if self.emulate_params is not None else ""
         return f"w{self.world}-{rate}-gas{self.gas}{slow}{emu}"
 
@@ -112,7 +127,8 @@ class ABSpec:
                 "steps": self.steps, "variants": list(self.variants), "repeat": self.repeat, "seed": self.seed,
                 "model": {"n_embd": self.n_embd, "n_layer": self.n_layer, "n_head": self.n_head},
                 "eval_every": self.eval_every, "eval_batches": self.eval_batches, "slow_rank": self.slow_rank,
-                "slow_factor": self.slow_factor, "dynamic_min": self.dynamic_min, "dynamic_max": self.dynamic_max,
+                "slow_factor": self.slow_factor, "slow_jitter": self.slow_jitter, "transient": self.transient,
+                "dynamic_min": self.dynamic_min, "dynamic_max": self.dynamic_max,
                 "base_config": os.path.abspath(configs.resolve(self.base_config)), "raw_out": os.path.abspath(raw_out),
                 "threads": 1,
                 "memory": self.memory,
@@ -464,7 +480,22 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             "advice": advice.as_dict(), "validation": advisor.validate(points), "variants": variants,
             "machine": raw.get("machine"), "date": raw.get("date"), "command": raw.get("command"),
             "slow_rank": ws.get("slow_rank", -1), "slow_factor": ws.get("slow_factor", 1.0),
+            "slow_jitter": ws.get("slow_jitter", 0.0), "transient": ws.get("transient"),
+            "heterogeneity": heterogeneity_note(ws),
             "emulation": _emulation_note(ws.get("emulate"))}
+
+
+def heterogeneity_note(ws: dict) -> Optional[str]:
+    """How the slow rank was slowed (EMULATION), in words; None for a homogeneous run."""
+    if ws.get("slow_rank", -1) < 0:
+        return None
+    parts = [f"rank {ws['slow_rank']} {ws.get('slow_factor', 1.0):g}x slower per micro-batch"]
+    if ws.get("slow_jitter"):
+        parts.append(f"lognormal jitter sigma {ws['slow_jitter']:g} per micro-batch (mean 1)")
+    t = ws.get("transient")
+    if t:
+        parts.append(f"{t['factor']:g}x slower again for {t['fraction']:.0%} of the steps from {t.get('start', 0.4):.0%}")
+    return "EMULATION of heterogeneous hardware: " + ", ".join(parts) + " (a sleep stretching its micro-batches)"
 
 
 def _emulation_note(emulate: Optional[dict]) -> Optional[str]:

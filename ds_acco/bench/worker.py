@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import random
 import statistics
 import sys
 import threading
@@ -412,6 +413,35 @@ def _slow_down(factor: float, elapsed: float) -> None:
         time.sleep((factor - 1.0) * elapsed)
 
 
+class Slowdown:
+    """The slow rank's factor for each micro-batch (EMULATION of heterogeneous hardware): the spec's
+    ``slow_factor``; times a lognormal jitter of ``slow_jitter`` = σ per micro-batch (mean 1, seeded
+    per rank, the same sequence in every variant: a straggler whose speed varies); times
+    ``transient['factor']`` while the committed steps are in ``[start, start + fraction)`` of the
+    run (a throttled GPU or a noisy neighbour for part of the run). Other ranks: 1."""
+
+    def __init__(self, spec: dict, rank: int):
+        self.slow = rank == spec.get("slow_rank", -1)
+        self.factor = float(spec.get("slow_factor", 1.0))
+        self.sigma = float(spec.get("slow_jitter", 0.0) or 0.0)
+        t = spec.get("transient") or {}
+        steps = spec["steps"]
+        first = round(t.get("start", 0.4) * steps)
+        self.window = (first, first + max(1, round(t.get("fraction", 0.2) * steps)))  # committed steps
+        self.transient = float(t.get("factor", 1.0))
+        self.rng = random.Random(spec.get("seed", 0) * 7919 + rank)
+
+    def __call__(self, step: int) -> float:
+        if not self.slow:
+            return 1.0
+        f = self.factor
+        if self.sigma > 0:
+            f *= math.exp(self.rng.gauss(-self.sigma ** 2 / 2, self.sigma))
+        if self.transient != 1.0 and self.window[0] <= step < self.window[1]:
+            f *= self.transient
+        return f
+
+
 # -- one variant ----------------------------------------------------------------------------------
 def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_rows, rank: int, world: int,
                 say) -> dict:
@@ -421,6 +451,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
     cfg = variant_config(base_cfg, variant, spec)
     gas, steps = spec["gas"], spec["steps"]
     slow = spec.get("slow_factor", 1.0) if rank == spec.get("slow_rank", -1) else 1.0
+    slowdown = Slowdown(spec, rank)
     baseline_rss = reset_peak_rss()
     model = build_model(spec, rank)
     engine = make_trainer(variant, model, cfg)
@@ -472,7 +503,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
         loss = engine(rows)
         engine.backward(loss)
         elapsed = time.perf_counter() - t0
-        _slow_down(slow, elapsed)
+        _slow_down(slowdown(engine.global_steps), elapsed)
         mb_compute.append(time.perf_counter() - t0)
         mb_loss.append(float(loss.detach()))
         mb_step.append(engine.global_steps if by_commits else i // gas)

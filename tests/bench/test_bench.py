@@ -693,3 +693,35 @@ def test_shared_variant_commits_stocks_batch_every_step_on_every_rank():
         assert len(commits) >= steps - 1 and all(m["micro_batches_global"] == gas * 2 for m in commits), commits
     assert shared[0]["micro_batches"] > shared[1]["micro_batches"]  # the fast rank computed more of each step
     assert shared[0]["heldout"][-1]["loss"] == shared[1]["heldout"][-1]["loss"]
+
+
+def test_heterogeneity_profiles_slow_only_the_slow_rank():
+    """The sweep's slowdowns (EMULATION): a constant factor, a straggler's lognormal jitter of mean 1,
+    a transient window of the steps; every other rank runs at 1."""
+    import math as m
+    from ds_acco.bench.worker import Slowdown
+
+    spec = {"steps": 10, "seed": 0, "slow_rank": 1, "slow_factor": 2.0}
+    assert [Slowdown(spec, 0)(s) for s in range(10)] == [1.0] * 10
+    assert [Slowdown(spec, 1)(s) for s in range(10)] == [2.0] * 10
+    transient = Slowdown(dict(spec, transient={"factor": 3.0, "fraction": 0.2}), 1)
+    assert [transient(s) for s in range(10)] == [2.0] * 4 + [6.0] * 2 + [2.0] * 4  # steps 4, 5: 20% from 40%
+    jitter = Slowdown(dict(spec, slow_jitter=0.5), 1)
+    draws = [jitter(0) for _ in range(20000)]
+    assert statistics.mean(draws) == pytest.approx(2.0, rel=0.03)  # mean-preserving
+    assert statistics.pstdev([m.log(d) for d in draws]) == pytest.approx(0.5, rel=0.03)
+    again = Slowdown(dict(spec, slow_jitter=0.5), 1)
+    assert [again(0) for _ in range(5)] == draws[:5]  # the same straggler in every variant
+
+
+def test_heterogeneity_is_named_and_checked():
+    spec = runner.ABSpec(world=2, slow_rank=1, slow_factor=2, slow_jitter=0.3,
+                         transient={"factor": 3.0, "fraction": 0.2})
+    assert spec.name() == "w2-unshaped-gas4-slow1x2-jitter0.3-transient3x0.2"
+    note = runner.heterogeneity_note(spec.worker_spec("x"))
+    assert note.startswith("EMULATION") and "rank 1 2x slower" in note and "sigma 0.3" in note and "20% of the steps" in note
+    assert runner.heterogeneity_note(runner.ABSpec(world=2).worker_spec("x")) is None
+    with pytest.raises(ValueError, match="--slow-rank"):
+        runner.ABSpec(world=2, slow_jitter=0.3)
+    with pytest.raises(ValueError, match="transient"):
+        runner.ABSpec(world=2, slow_rank=1, transient={"factor": 3.0, "fraction": 1.5})
