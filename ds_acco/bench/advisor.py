@@ -22,6 +22,9 @@ micro-batch of the slowest rank):
   rest of the round runs alone: ``W(n) = n·t' + (1 − n·t'/T_r')·T_r``.
 * stock:   ``T_c + T_r``                       (nothing overlaps)
 * fixed:   ``2·W(A/2)``                        (two rounds per step, one under each half)
+* shared:  ``2·W(P/t)``, ``P = max_i n_i·t_i``  (accumulation 'shared': rank i computes its share
+  ``n_i`` of the ranks' ``N·A/2`` micro-batches per phase, by the training's own rule,
+  ``share_by_speed``, from every rank's measured ``t_i``; at equal speeds ``P = A/2·t``, fixed's)
 * dpu:     ``W(A)``                            (one round per step, one step stale)
 * dynamic: each phase holds ``n = max(m, ⌈T_r'/t'⌉)`` micro-batches (``m`` the minimum) and
   lasts ``W(n)``; its figure of merit is tokens/s.
@@ -32,6 +35,10 @@ the ranks have no spare core (``shared_cores``); fixed ``max(T_c + 2κ·T_r, 2·
 ``max(T_c + κ·T_r, T_r)``, dynamic phases ``max(T_r, m·t + κ·T_r)`` of
 ``n = max(m, ⌈(1−κ)·T_r / t⌉)`` micro-batches. It leaves out that compute slows the rounds,
 and predicted fixed 11–19% too fast on average (BENCHMARKS.md, advisor out of sample).
+
+Ranks of different speeds (slowest over fastest ``t_i`` above 1.2, the share rule's dead band at 2
+ranks): :func:`advise` recommends accumulation 'shared' where it is predicted faster than both
+stock and fixed: it keeps stock's global batch, so it needs no batch to grow.
 
 The rule: ACCO sends two rounds per optimizer step, so fixed mode hides them fully only when one
 round fits under half a step's compute (``T_r'/t' ≤ A/2`` micro-batches beside compute),
@@ -45,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 @dataclasses.dataclass
@@ -64,6 +71,7 @@ class Probe:
     comm_bytes: int = 0
     micro_batch_overlap_s: float = 0.0  # t': compute per micro-batch while rounds run beside it
     round_overlap_s: float = 0.0  # T_r': one round (reduce + shard step + all-gather) beside compute
+    rank_micro_batch_s: Tuple[float, ...] = ()  # every rank's compute per micro-batch (heterogeneous hardware)
 
     @classmethod
     def from_measured(cls, probes: Sequence[dict], *, tokens_per_micro_batch: int, cores: Optional[int] = None,
@@ -80,7 +88,24 @@ class Probe:
                    shared_cores=cores is not None and rpm >= cores, backend=backend,
                    comm_bytes=int(probes[0].get("comm_bytes", 0)),
                    micro_batch_overlap_s=max(p.get("micro_batch_overlap_s", 0.0) for p in probes),
-                   round_overlap_s=max(p.get("round_overlap_s", 0.0) for p in probes))
+                   round_overlap_s=max(p.get("round_overlap_s", 0.0) for p in probes),
+                   rank_micro_batch_s=tuple(float(p["micro_batch_s"]) for p in probes))
+
+    @property
+    def speed_spread(self) -> float:
+        """Slowest over fastest rank's compute per micro-batch (1: homogeneous or unknown)."""
+        ts = [t for t in self.rank_micro_batch_s if t > 0]
+        return max(ts) / min(ts) if len(ts) > 1 else 1.0
+
+    def shared_phase_s(self, gas: int) -> float:
+        """Accumulation 'shared': one phase's compute, the slowest of every rank's share of the
+        ranks' ``world · A/2`` micro-batches times its seconds per micro-batch (phases.py's rule,
+        dead band included: at equal speeds it is fixed mode's ``A/2 · t``)."""
+        from ds_acco.core.phases import share_by_speed  # no torch: the rule itself, as training applies it
+        ts = list(self.rank_micro_batch_s) if len(self.rank_micro_batch_s) == self.world else [self.micro_batch_s] * self.world
+        equal = (gas // 2,) * self.world
+        shares = share_by_speed(self.world * (gas // 2), ts, current=equal)
+        return max(n * t for n, t in zip(shares, ts))
 
     @property
     def round_s(self) -> float:
@@ -169,12 +194,14 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
             return n * to + (1 - n / under) * probe.round_s  # compute waits: the rest of the round runs alone
 
         add("fixed", 2 * window(gas / 2), gas)
+        add("shared", 2 * window(probe.shared_phase_s(gas) / t), gas)  # the phase's compute, in slowest-rank units
         add("dpu", window(gas), gas)
         n = max(m, math.ceil(under - 1e-9))
         add("dynamic", 2 * window(n), 2 * n)
         return out
     tr, k = probe.round_s, probe.kappa
     add("fixed", max(tc + 2 * k * tr, 2 * tr), gas)
+    add("shared", max(2 * probe.shared_phase_s(gas) + 2 * k * tr, 2 * tr), gas)
     add("dpu", max(tc + k * tr, tr), gas)
     n = max(m, math.ceil(max(0.0, (1 - k) * tr) / t - 1e-9)) if t > 0 else m
     phase = max(tr, n * t + k * tr)
@@ -184,7 +211,7 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
 
 @dataclasses.dataclass
 class Advice:
-    mode: str  # 'stock', 'fixed' or 'dynamic'
+    mode: str  # 'stock', 'fixed', 'shared' or 'dynamic'
     gradient_accumulation_steps: int
     predictions: Dict[str, Prediction]
     reason: str
@@ -195,6 +222,8 @@ class Advice:
                 "reason": self.reason, "larger_batch": self.larger_batch,
                 "predictions": {k: dataclasses.asdict(v) for k, v in self.predictions.items()}}
 
+
+SPEED_SPREAD = 0.2  # ranks' speeds differing by more than this: heterogeneous (the share rule's dead band at 2 ranks)
 
 LARGER_BATCH_CAVEAT = ("a larger global batch makes less progress per token: in our measurements it did not reach a "
                        "target loss sooner (BENCHMARKS.md, time to target); measure it with your learning rate")
@@ -219,6 +248,16 @@ def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.0
     preds = predict(probe, gas)
     tc = gas * t
     stock, fixed, dyn = preds["stock"], preds["fixed"], preds["dynamic"]
+    shared = preds["shared"]
+    if probe.speed_spread > 1 + SPEED_SPREAD and shared.step_s < (1 - margin) * min(stock.step_s, fixed.step_s):
+        # Ranks of different speeds: whatever the network, stock and fixed wait for the slowest rank.
+        speeds = "/".join(f"{x * 1e3:.0f}" for x in probe.rank_micro_batch_s)
+        return Advice("shared", gas, preds,
+                      f"the ranks compute at different speeds ({speeds} ms per micro-batch, {probe.speed_spread:.2f}x "
+                      f"apart): with \"accumulation\": \"shared\" each phase keeps the global {probe.world * (gas // 2)} "
+                      f"micro-batches and stock's batch, the slow rank computing fewer of them; predicted "
+                      f"{stock.step_s / shared.step_s:.2f}x stock and {fixed.step_s / shared.step_s:.2f}x ACCO fixed "
+                      "per step (where the network, not the slow rank, sets the step, shared gains no more than fixed)")
     if probe.stock_comm_s <= negligible * tc:
         return Advice("stock", gas, preds,
                       f"communication ({probe.stock_comm_s:.3f}s/step) is under {negligible:.0%} of compute "
@@ -295,7 +334,7 @@ def setup_key(summary: dict) -> tuple:
     """What a probe depends on besides gradient_accumulation_steps: ranks, network, model, compute."""
     return (summary["world"], summary.get("rate"), summary.get("network"), summary.get("n_params"),
             summary.get("tokens_per_micro_batch"), summary.get("emulation"), summary.get("slow_rank"),
-            summary.get("slow_factor"))
+            summary.get("slow_factor"), summary.get("slow_jitter") or 0.0, str(summary.get("transient") or ""))
 
 
 def _measured(variant: dict, mode: str) -> Optional[float]:

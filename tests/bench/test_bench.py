@@ -725,3 +725,22 @@ def test_heterogeneity_is_named_and_checked():
         runner.ABSpec(world=2, slow_jitter=0.3)
     with pytest.raises(ValueError, match="transient"):
         runner.ABSpec(world=2, slow_rank=1, transient={"factor": 3.0, "fraction": 1.5})
+
+
+def test_advise_shared_where_ranks_differ_in_speed():
+    """Rank 1 2x slower, rounds that fit: stock and fixed wait for it every phase; shared gives it 5
+    of each phase's 16 micro-batches (share_by_speed: 11/5), so the phase is max(11·t, 5·2t)."""
+    het = probe(t=0.2, ar=0.3, ag=0.2, rank_micro_batch_s=(0.1, 0.2))
+    pred = advisor.predict(het, gas=16)
+    assert het.shared_phase_s(16) == pytest.approx(max(11 * 0.1, 5 * 0.2))
+    assert pred["shared"].step_s < pred["fixed"].step_s < pred["stock"].step_s
+    adv = advisor.advise(het, gas=16)
+    assert (adv.mode, adv.gradient_accumulation_steps) == ("shared", 16)
+    assert "different speeds (100/200 ms" in adv.reason and "stock's batch" in adv.reason
+    # even where communication is negligible, the slow rank sets stock's step
+    assert advisor.advise(probe(t=0.2, ar=0.001, ag=0.001, rank_micro_batch_s=(0.1, 0.2)), gas=16).mode == "shared"
+    # equal speeds, or within the dead band: shared is fixed, and fixed (or stock) is what is advised
+    same = probe(t=0.1, ar=0.3, ag=0.2, rank_micro_batch_s=(0.1, 0.1))
+    assert advisor.predict(same, 16)["shared"].step_s == advisor.predict(same, 16)["fixed"].step_s
+    assert advisor.advise(same, gas=16).mode == "fixed"
+    assert advisor.advise(probe(t=0.11, ar=0.3, ag=0.2, rank_micro_batch_s=(0.1, 0.11)), gas=16).mode == "fixed"
