@@ -200,6 +200,19 @@ def cmd_ttt(a) -> int:
         summaries, out, stem=a.stem, target=a.target_loss))
 
 
+def cmd_fidelity(a) -> int:
+    res = report.tail_fidelity(_summaries(a.paths), tail=a.tail)
+    text = report.tail_fidelity_markdown(res)
+    print(text)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"{a.stem}.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(a.out, f"{a.stem}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
 def cmd_advisor_check(a) -> int:
     summaries = _summaries(a.paths)
     res = advisor.out_of_sample(summaries, contention=a.contention)
@@ -277,6 +290,10 @@ def main(argv=None) -> int:
     tt.add_argument("--target-loss", type=float, default=None, help="default: 1.01 x stock's median last held-out "
                     "loss")
     tt.add_argument("--stem", default="time_to_target", help="output file name stem")
+    fi = from_summaries("fidelity", cmd_fidelity, "long-run fidelity: held-out loss at equal tokens averaged over "
+                        "the last part of each run, against stock (scripts/fidelity_long.sh)")
+    fi.add_argument("--tail", type=float, default=0.3, help="the last fraction of the steps averaged (default 0.3)")
+    fi.add_argument("--stem", default="fidelity", help="output file name stem")
     a = p.parse_args(argv)
     # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
     # (ranks killed, namespaces deleted) instead of dying or being ignored.

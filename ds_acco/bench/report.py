@@ -498,3 +498,47 @@ def write_time_to_target(summaries: Sequence[dict], out_dir: str, stem: str = "t
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     return paths + [_save(plt, fig, out_dir, stem)]
+
+
+def tail_fidelity(summaries: Sequence[dict], tail: float = 0.3) -> dict:
+    """Long-run fidelity at equal tokens: each variant's held-out loss averaged over the evaluations
+    in the last ``tail`` of the run (steps > (1 - tail) × steps), against stock's over the same
+    steps, per summary (one launch: one learning rate, one model). Single evaluations wander by
+    about ±2% at a constant LR; the tail average is what the fidelity goal (≤ stock + 0.5%) judges.
+    Variants of different batches (dynamic) are compared at stock's tokens, interpolated."""
+    rows = []
+    for s in summaries:
+        v = s["variants"]
+        stock = v.get("stock") or v.get("fsdp_stock")
+        if not stock or not stock.get("heldout_curve"):
+            raise ValueError(f"{s.get('label')}: no stock held-out curve to compare with")
+        steps = s["steps"]
+        first = (1 - tail) * steps
+        pts = [p for p in stock["heldout_curve"] if p["step"] > first]
+        if not pts:
+            raise ValueError(f"{s.get('label')}: no evaluation in the last {tail:.0%} of {steps} steps (--eval-every)")
+        base = sum(p["loss"] for p in pts) / len(pts)
+        for name, x in v.items():
+            curve = x.get("heldout_curve") or []
+            losses = [loss_at_time(curve, p["tokens"], "tokens") for p in pts]
+            if not curve or any(loss is None for loss in losses):
+                continue
+            mean = sum(losses) / len(losses)
+            rows.append({"label": s.get("label"), "variant": name, "steps": steps, "evaluations": len(pts),
+                         "from_step": min(p["step"] for p in pts), "tail_loss": mean, "stock_tail_loss": base,
+                         "gap": mean / base - 1.0, "final_loss": curve[-1]["loss"],
+                         "final_gap": curve[-1]["loss"] / stock["heldout_curve"][-1]["loss"] - 1.0})
+    return {"tail": tail, "rows": rows, "emulation": any(s.get("emulation") for s in summaries)}
+
+
+def tail_fidelity_markdown(res: dict) -> str:
+    lines = (["**EMULATION**", ""] if res["emulation"] else [])
+    lines += [f"Held-out loss at equal tokens, averaged over the evaluations in the last {res['tail']:.0%} of each "
+              "run, against stock's at the same tokens.", "",
+              "| run | variant | steps | evaluations (from step) | tail-mean held-out | stock's | gap | final-point gap |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['label']} | {LABELS.get(r['variant'], r['variant'])} | {r['steps']} | {r['evaluations']} "
+                     f"({r['from_step']}) | {r['tail_loss']:.4f} | {r['stock_tail_loss']:.4f} | {r['gap'] * 100:+.2f}% | "
+                     f"{r['final_gap'] * 100:+.2f}% |")
+    return "\n".join(lines)

@@ -744,3 +744,23 @@ def test_advise_shared_where_ranks_differ_in_speed():
     assert advisor.predict(same, 16)["shared"].step_s == advisor.predict(same, 16)["fixed"].step_s
     assert advisor.advise(same, gas=16).mode == "fixed"
     assert advisor.advise(probe(t=0.11, ar=0.3, ag=0.2, rank_micro_batch_s=(0.1, 0.11)), gas=16).mode == "fixed"
+
+
+def test_tail_fidelity_averages_the_last_part_at_equal_tokens():
+    def curve(losses, tokens_per_step=100):
+        return [{"step": 10 * (i + 1), "loss": x, "tokens": 10 * (i + 1) * tokens_per_step, "time_s": float(i)}
+                for i, x in enumerate(losses)]
+    stock = [3.0, 2.5, 2.2, 2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4]
+    fixed = [3.1, 2.4, 2.3, 2.1, 1.8, 1.9, 1.7, 1.62, 1.53, 1.4]
+    summary = {"label": "fid", "steps": 100, "variants": {"stock": {"heldout_curve": curve(stock)},
+                                                          "fixed": {"heldout_curve": curve(fixed)}}}
+    res = report.tail_fidelity([summary], tail=0.3)
+    row = next(r for r in res["rows"] if r["variant"] == "fixed")
+    assert (row["evaluations"], row["from_step"]) == (3, 80)  # steps 80, 90, 100: past 70% of 100
+    assert row["gap"] == pytest.approx((1.62 + 1.53 + 1.4) / (1.6 + 1.5 + 1.4) - 1)
+    assert row["final_gap"] == pytest.approx(0.0)
+    # a variant at twice the batch is read at stock's tokens (interpolated on its own curve)
+    summary["variants"]["dynamic"] = {"heldout_curve": curve(stock, tokens_per_step=200)}
+    dyn = next(r for r in report.tail_fidelity([summary])["rows"] if r["variant"] == "dynamic")
+    assert dyn["tail_loss"] == pytest.approx((2.0 + (2.0 + 1.9) / 2 + 1.9) / 3)  # its steps 40, 45, 50
+    assert "+1.11%" in report.tail_fidelity_markdown(res)
