@@ -669,6 +669,7 @@ def test_advisor_out_of_sample_predicts_each_run_from_another_runs_probe():
     assert res["in_sample"]["n"] == 2 and res["out_of_sample"]["n"] == 2
 
 
+@pytest.mark.slow  # the runner's whole loop on 2 ranks, ~10 s
 def test_shared_variant_commits_stocks_batch_every_step_on_every_rank():
     """The A/B loop under accumulation 'shared', rank 1 3x slower (emulated): each rank computes its
     own share, every rank commits the same ``steps``, every step pools stock's global batch, and
