@@ -42,24 +42,25 @@ def test_a_larger_minimum_is_kept():
             assert sum(shares) == total and min(shares) >= 2, (total, seconds, shares)
 
 
+def random_cases(seed, n, worlds, lengths, seconds_range):
+    """``n`` seeded (rng, total, seconds) cases: a world size in ``worlds``, a total of world × a
+    length in ``lengths``, every rank's seconds per micro-batch uniform in ``seconds_range``."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        world = rng.randint(*worlds)
+        yield rng, world * rng.randint(*lengths), [rng.uniform(*seconds_range) for _ in range(world)]
+
+
 def test_deterministic_and_pure():
-    rng = random.Random(1)
-    for _ in range(2000):
-        world = rng.randint(1, 8)
-        total = world * rng.randint(1, 8)
-        seconds = [rng.uniform(0.01, 1.0) for _ in range(world)]
+    for _, total, seconds in random_cases(1, 2000, (1, 8), (1, 8), (0.01, 1.0)):
         first = share_by_speed(total, list(seconds))
         assert all(share_by_speed(total, list(seconds)) == first for _ in range(3))
         assert share_by_speed(total, tuple(seconds), current=first) == first  # its own answer is kept
 
 
 def test_a_slower_rank_never_gets_more():
-    rng = random.Random(2)
-    for _ in range(20000):
-        world = rng.randint(2, 6)
-        total = world * rng.randint(1, 6)
-        seconds = [rng.uniform(0.1, 5) for _ in range(world)]
-        i = rng.randrange(world)
+    for rng, total, seconds in random_cases(2, 20000, (2, 6), (1, 6), (0.1, 5)):
+        i = rng.randrange(len(seconds))
         slower = list(seconds)
         slower[i] *= rng.uniform(1.0, 3.0)
         assert share_by_speed(total, slower)[i] <= share_by_speed(total, seconds)[i], (total, seconds, slower, i)
