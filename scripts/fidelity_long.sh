@@ -6,12 +6,13 @@
 #   scripts/fidelity_long.sh [OUT_DIR]
 #   env: STEPS=1000 WARMUP=50 LRS="0.5 1 2" GAS=8 EVAL_EVERY=50 MODEL="--n-embd 128 --n-layer 2 --n-head 4"
 #        VARIANTS=stock,fixed  SLOW="" (e.g. "--slow-rank 1 --slow-factor 2" with VARIANTS=stock,shared)
+#        SEEDS="0" (initial weights and data order; several seeds: the summary adds their median gap)
 set -euo pipefail
 OUT="${1:-bench_results/fidelity}"
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cpu
 PY=${PYTHON:-python}
-STEPS=${STEPS:-1000}; WARMUP=${WARMUP:-50}; LRS=${LRS:-"0.5 1 2"}; GAS=${GAS:-8}; EVAL_EVERY=${EVAL_EVERY:-50}
+SEEDS=${SEEDS:-0}; STEPS=${STEPS:-1000}; WARMUP=${WARMUP:-50}; LRS=${LRS:-"0.5 1 2"}; GAS=${GAS:-8}; EVAL_EVERY=${EVAL_EVERY:-50}
 MODEL=${MODEL:-"--n-embd 128 --n-layer 2 --n-head 4"}; VARIANTS=${VARIANTS:-stock,fixed}; SLOW=${SLOW:-}
 read -r -a model <<<"$MODEL"
 read -r -a slow <<<"$SLOW"
@@ -28,10 +29,13 @@ cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {"total_num_steps": step
                     "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_type": "linear"}}
 json.dump(cfg, open(path, "w"), indent=1)
 PY
-  label="fid-$tag-lr$lr-$STEPS"
-  echo "=== $(date -u +%H:%M:%S) $label"
-  "$PY" -m ds_acco.bench ab --network loopback --world 2 --gas "$GAS" --steps "$STEPS" --warmup 1 "${model[@]}" \
-    "${slow[@]}" --eval-every "$EVAL_EVERY" --eval-batches 8 --variants "$VARIANTS" --config "$cfg" --out "$OUT" \
-    --label "$label" >"$OUT/$label.log" 2>&1 || echo "FAILED: $label (see $OUT/$label.log)"
+  for seed in $SEEDS; do
+    label="fid-$tag-lr$lr-$STEPS"
+    [ "$seed" = 0 ] || label+="-s$seed"  # seed 0 keeps the name of the runs published before seeds
+    echo "=== $(date -u +%H:%M:%S) $label"
+    "$PY" -m ds_acco.bench ab --network loopback --world 2 --gas "$GAS" --steps "$STEPS" --warmup 1 "${model[@]}" \
+      "${slow[@]}" --eval-every "$EVAL_EVERY" --eval-batches 8 --variants "$VARIANTS" --config "$cfg" --seed "$seed" \
+      --out "$OUT" --label "$label" >"$OUT/$label.log" 2>&1 || echo "FAILED: $label (see $OUT/$label.log)"
+  done
 done
 "$PY" -m ds_acco.bench fidelity "$OUT"/fid-*.json --out "$OUT" --stem "fidelity-$tag"

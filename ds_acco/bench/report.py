@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import statistics
 from typing import Dict, List, Optional, Sequence
 
 ORDER = ("stock", "fixed", "shared", "dynamic", "dynamic_sqrt", "dynamic_linear", "dpu", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
@@ -541,4 +543,23 @@ def tail_fidelity_markdown(res: dict) -> str:
         lines.append(f"| {r['label']} | {LABELS.get(r['variant'], r['variant'])} | {r['steps']} | {r['evaluations']} "
                      f"({r['from_step']}) | {r['tail_loss']:.4f} | {r['stock_tail_loss']:.4f} | {r['gap'] * 100:+.2f}% | "
                      f"{r['final_gap'] * 100:+.2f}% |")
+    seeded = seed_medians(res["rows"])
+    if any(len(g["gaps"]) > 1 for g in seeded):
+        lines += ["", "Over seeds (runs labelled `-s<seed>`; no suffix: seed 0): the median tail-mean gap and its range.",
+                  "", "| run | variant | seeds | median gap | range |", "|---|---|---|---|---|"]
+        for g in seeded:
+            lines.append(f"| {g['label']} | {LABELS.get(g['variant'], g['variant'])} | {len(g['gaps'])} | "
+                         f"{g['median'] * 100:+.2f}% | {min(g['gaps']) * 100:+.2f}% – {max(g['gaps']) * 100:+.2f}% |")
     return "\n".join(lines)
+
+
+def seed_medians(rows: Sequence[dict]) -> List[dict]:
+    """The tail gaps of runs that differ only in their seed (label suffix ``-s<seed>``), grouped,
+    with their median; groups in first-seen order, stock's own (always 0) left out."""
+    groups: Dict[tuple, List[float]] = {}
+    for r in rows:
+        if r["variant"] in ("stock", "fsdp_stock"):
+            continue
+        groups.setdefault((re.sub(r"-s\d+$", "", str(r["label"])), r["variant"]), []).append(r["gap"])
+    return [{"label": label, "variant": variant, "gaps": gaps, "median": statistics.median(gaps)}
+            for (label, variant), gaps in groups.items()]

@@ -765,3 +765,17 @@ def test_tail_fidelity_averages_the_last_part_at_equal_tokens():
     dyn = next(r for r in report.tail_fidelity([summary])["rows"] if r["variant"] == "dynamic")
     assert dyn["tail_loss"] == pytest.approx((2.0 + (2.0 + 1.9) / 2 + 1.9) / 3)  # its steps 40, 45, 50
     assert "+1.11%" in report.tail_fidelity_markdown(res)
+
+
+def test_tail_fidelity_medians_over_seeds_group_by_label_without_the_seed():
+    def run(label, gap):
+        pts = [{"step": s, "loss": 2.0, "tokens": 100 * s, "time_s": float(s)} for s in (80, 90, 100)]
+        mine = [dict(p, loss=2.0 * (1 + gap)) for p in pts]
+        return {"label": label, "steps": 100, "variants": {"stock": {"heldout_curve": pts},
+                                                          "fixed": {"heldout_curve": mine}}}
+    runs = [run("fid-lr2", 0.010), run("fid-lr2-s1", 0.002), run("fid-lr2-s2", 0.004), run("fid-lr1", 0.003)]
+    groups = report.seed_medians(report.tail_fidelity(runs)["rows"])
+    assert [(g["label"], len(g["gaps"])) for g in groups] == [("fid-lr2", 3), ("fid-lr1", 1)]
+    assert groups[0]["median"] == pytest.approx(0.004)  # the median, not the mean (0.53%)
+    text = report.tail_fidelity_markdown(report.tail_fidelity(runs))
+    assert "| fid-lr2 | ACCO fixed | 3 | +0.40% | +0.20% – +1.00% |" in text
