@@ -46,6 +46,23 @@ def new_rounds_group(ranks: Sequence[int], timeout: timedelta):
     return group
 
 
+def new_group_everywhere(ranks: Sequence[int], timeout: timedelta):
+    """A new process group over ``ranks``, created by every rank of the default group: each rank's
+    ``ranks`` are gathered and every distinct group is created, in one order, on every rank (the
+    way Megatron builds its groups). Valid whether or not the default group is bound to a device
+    (ncclCommSplit is collective over it); for callers where every rank builds an engine, each
+    over its own subset (tensor parallelism: one data-parallel group per tensor-parallel rank)."""
+    mine = tuple(sorted(ranks))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    own = None
+    for members in sorted(set(everyone)):
+        group = dist.new_group(ranks=list(members), timeout=timeout)
+        if members == mine:
+            own = group
+    return own
+
+
 def destroyable(group) -> bool:
     """Whether releasing ``group`` may destroy it (not a group created by its members alone)."""
     return not any(group is g for g in _MEMBERS_ONLY)

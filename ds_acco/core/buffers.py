@@ -19,7 +19,7 @@ layout (everything flat, live and B in the same order); the FSDP2 adapter has it
 from __future__ import annotations
 
 import abc
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,6 +57,12 @@ class BufferGroup(abc.ABC):
     comm_dtype: torch.dtype
     live_dtype: torch.dtype
     estimate_dtype: Optional[torch.dtype] = None
+    # (start, length) runs of this rank's shard that count in the gradient norm (None: all of it).
+    # Tensor parallelism: replicated parameters count on tensor-parallel rank 0 only (stock's rule).
+    norm_ranges: Optional[List[Tuple[int, int]]] = None
+    # Whether rounds all-gather the new parameters into B (False: the framework gathers them from
+    # the shards itself, FSDP2 with sharded parameters; B then carries gradients only).
+    gathers_params: bool = True
 
     @staticmethod
     def allocate_comm(numel: int, device, *dtypes: Optional[torch.dtype]) -> torch.Tensor:
@@ -100,6 +106,19 @@ class BufferGroup(abc.ABC):
     @abc.abstractmethod
     def live_shard_views(self) -> List[torch.Tensor]:
         """Views of the live weights at this rank's shard (read by the drift metric)."""
+
+    def norm_pieces(self, shard_grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The parts of this rank's shard gradients (laid out like ``shard_views``) that count in
+        the gradient norm: all of them unless ``norm_ranges`` says otherwise."""
+        if self.norm_ranges is None:
+            return list(shard_grads)
+        raise NotImplementedError(f"{type(self).__name__} has norm_ranges but no norm_pieces")
+
+    def param_outputs(self, kind: RoundKind) -> Optional[List[torch.Tensor]]:
+        """Where a round of ``kind`` writes this rank's new parameters (θ̃ or θ, laid out like
+        ``shard_values``) for the all-gather: this rank's segment of B's gather view. None: the
+        round writes none (the framework reads the committed shards themselves)."""
+        return self.shard_views(self.gather_view())
 
     def param_grads(self, views: List[torch.Tensor]) -> List[torch.Tensor]:
         """Gradients for ``shard_params`` from per-shard tensors (FSDP wraps them as DTensors)."""
@@ -178,6 +197,27 @@ class FlatBuffers(BufferGroup):
 
     def live_shard_views(self) -> List[torch.Tensor]:
         return [self.live.narrow(0, self.rank * self.segment, self.segment)]
+
+    def norm_pieces(self, shard_grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.norm_ranges is None:
+            return list(shard_grads)
+        (flat,) = shard_grads
+        return [flat.narrow(0, start, n) for start, n in self.norm_ranges]
+
+    def set_norm_params(self, offsets: Sequence[Tuple[int, int]]) -> None:
+        """Count only the parameters at ``offsets`` ((start, numel) in the flat group) in the norm:
+        their runs inside this rank's segment, adjacent runs merged (a handful per layer)."""
+        lo, hi = self.rank * self.segment, (self.rank + 1) * self.segment
+        runs: List[Tuple[int, int]] = []
+        for start, n in sorted(offsets):
+            a, b = max(start, lo), min(start + n, hi)
+            if a >= b:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == a - lo:
+                runs[-1] = (runs[-1][0], runs[-1][1] + b - a)
+            else:
+                runs.append((a - lo, b - a))
+        self.norm_ranges = runs
 
     def pack_grads(self, kind: RoundKind, clear: bool) -> None:
         self.reduce_view(kind).copy_(self.grads)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from ..comm.groups import destroyable, new_rounds_group
+from ..comm.groups import destroyable, new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
 from ..metrics import StepMetrics, format_line, scalar_items
@@ -73,8 +73,8 @@ def one_connection_warning(device: torch.device, synchronous: bool) -> Optional[
             "serialised with the compute kernels and the overlap ACCO exists for is lost; and a collective the "
             "compute thread issues on another process group while a round is in flight can queue behind the "
             "round's kernels on one rank and ahead of them on another, a deadlock across ranks; fix: unset "
-            "CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (ACCO runs data parallelism only; Megatron needs it for "
-            "tensor-parallel overlap), or set acco.synchronous = true")
+            "CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (Megatron-DeepSpeed needs it only for --sequence-parallel; its "
+            "--deepspeed path turns off the asynchronous tensor-parallel all-reduce), or set acco.synchronous = true")
 
 
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
@@ -99,6 +99,10 @@ class AccoDriver:
         groups: the adapter's buffer groups.
         optimizer: the torch optimizer whose parameters are exactly the groups' shard parameters.
         process_group: the data-parallel group (None: the default group).
+        model_parallel_group: tensor parallelism: the group of this rank's tensor-parallel peers
+            (None or size 1: none). The gradient norm, and so the skip and the clip, is then summed
+            over it too; buffer groups count replicated parameters on one of its ranks only
+            (``BufferGroup.norm_ranges``). Every rank of the world must build an engine.
         gradient_accumulation_steps, clip_grad: the framework's settings.
         device: where G and B live (the lane runs its rounds with this device current).
         accelerator: the streams and events the lane uses on ``device`` (:mod:`ds_acco.comm.streams`):
@@ -120,6 +124,7 @@ class AccoDriver:
 
     def __init__(self, config, *, groups: Sequence[BufferGroup], optimizer: torch.optim.Optimizer, process_group,
                  gradient_accumulation_steps: int, clip_grad: float, device: torch.device, host: Any,
+                 model_parallel_group=None,
                  step_lr_scheduler: Optional[Callable[[], None]] = None,
                  lr_scheduler: Optional[Callable[[], Any]] = None,
                  loss_scale: Optional[Callable[[], float]] = None,
@@ -144,9 +149,16 @@ class AccoDriver:
         warning = one_connection_warning(device, config.synchronous)
         if warning is not None and rank == 0:  # rank 0 of the data-parallel group: a mesh may exclude rank 0
             logger.warning(warning)
-        # The rounds' own group: they run on the lane's thread, and gloo matches collectives by
-        # issue order per group.
-        self.process_group = new_rounds_group(ranks, timedelta(seconds=config.comm_timeout_s))
+        # The rounds' own groups: they run on the lane's thread, and gloo matches collectives by
+        # issue order per group (and the compute thread's tensor-parallel collectives use mpu's).
+        timeout = timedelta(seconds=config.comm_timeout_s)
+        self.norm_group = None
+        if model_parallel_group is not None and dist.get_world_size(group=model_parallel_group) > 1:
+            # every rank builds an engine, each over its own data-parallel group
+            self.process_group = new_group_everywhere(ranks, timeout)
+            self.norm_group = new_group_everywhere(dist.get_process_group_ranks(model_parallel_group), timeout)
+        else:
+            self.process_group = new_rounds_group(ranks, timeout)
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
                              accelerator=stream_accelerator(device, accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
@@ -155,6 +167,7 @@ class AccoDriver:
         self.schedule = AccoSchedule(
             groups, self.shard_optimizer, self.lane, process_group=self.process_group, rank=rank, world=len(ranks),
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(self.process_group),
+            norm_group=self.norm_group,
             loss_scale=loss_scale, report=self._report, on_commit=self._on_commit,
             before_launch=self.lr.step_owed, after_launch=self.lr.launched)
         self._boundary: Optional[bool] = None
@@ -347,22 +360,24 @@ class AccoDriver:
         self.schedule.abandon()
         self._uninstall_sigterm()
         pg, self.process_group = self.process_group, None
+        ng, self.norm_group = self.norm_group, None
         local = False
         try:
             local = pg is not None and dist.is_initialized() and dist.get_backend(pg) == "gloo"
         except (ValueError, RuntimeError):  # the group is gone already (the default group was replaced)
             pass
         finally:
-            self.lane.stop_nowait(then=(lambda: _destroy_group(pg)) if local else None)
+            self.lane.stop_nowait(then=(lambda: _destroy_group(pg, ng)) if local else None)
 
     def _release_process_group(self) -> None:
         """Give the rounds' process group back (local: no collective, so it is safe from a
         finaliser or the garbage collector at any point of another engine's life). Kept while
         the lane's thread is still inside a round (a dead peer): it would use a destroyed group."""
         pg, self.process_group = self.process_group, None
+        ng, self.norm_group = self.norm_group, None
         if pg is None or not dist.is_initialized() or self.lane.stuck:
             return
-        _destroy_group(pg)
+        _destroy_group(pg, ng)
 
 
 class _LRBookkeeping:
@@ -474,13 +489,14 @@ def _rearm_sigint_exit() -> None:
         pass
 
 
-def _destroy_group(pg) -> None:
+def _destroy_group(*pgs) -> None:
     """Local, no collective. Safe beside the main thread building the next engine's group:
     torch's registry of groups is plain dicts, changed key by key under the GIL. Not beside a
     concurrent ``destroy_process_group()`` of the whole world: destroy() engines before that."""
-    if not dist.is_initialized() or not destroyable(pg):
-        return
-    try:
-        dist.destroy_process_group(pg)
-    except Exception:  # already gone (the default group was destroyed first): nothing to free
-        pass
+    for pg in pgs:
+        if pg is None or not dist.is_initialized() or not destroyable(pg):
+            continue
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:  # already gone (the default group was destroyed first): nothing to free
+            pass

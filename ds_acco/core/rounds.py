@@ -106,6 +106,9 @@ class RoundContext:
     groups: Sequence["BufferGroup"]
     shard_optimizer: Optional["ShardOptimizer"]  # None only in tests that never step
     process_group: Optional[dist.ProcessGroup]  # the rounds' own group
+    # tensor parallelism: the rounds' own copy of the model-parallel group, over which the squared
+    # norm is summed after the data-parallel sum (stock's order); None: no model parallelism
+    norm_group: Optional[dist.ProcessGroup] = None
     rank: int
     world: int
     gas_scale: float  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A loss scaling)
@@ -207,9 +210,13 @@ def clip_(grads: List[torch.Tensor], grad_norm: float, clip_grad: float) -> None
         torch._foreach_mul_(grads, 1.0 / factor)
 
 
-def write_shards(ctx: RoundContext) -> None:
-    """This rank's segment of B's gather view ← its shard values θ[r] (cast to the model dtype)."""
-    _copy_shards(ctx, [v for g in ctx.groups for v in g.shard_views(g.gather_view())])
+def write_shards(ctx: RoundContext, kind: RoundKind = RoundKind.COMMIT) -> None:
+    """Where a round of ``kind`` puts new parameters (``param_outputs``: this rank's segment of B's
+    gather view) ← this rank's shard values θ[r] (cast to the model dtype)."""
+    outs = [(g, g.param_outputs(kind)) for g in ctx.groups]
+    srcs = [v.reshape(-1) for g, o in outs if o is not None for v in g.shard_values()]
+    if srcs:
+        torch._foreach_copy_([v for _, o in outs if o is not None for v in o], srcs)
 
 
 def _copy_shards(ctx: RoundContext, dsts: List[torch.Tensor]) -> None:
@@ -220,9 +227,11 @@ def _copy_shards(ctx: RoundContext, dsts: List[torch.Tensor]) -> None:
 
 
 def gather(ctx: RoundContext) -> None:
-    """All-gather every rank's segment of B's gather view, in place."""
+    """All-gather every rank's segment of B's gather view, in place (groups whose parameters the
+    framework gathers itself, FSDP2 with sharded parameters, have none)."""
     for g in ctx.groups:
-        collectives.gather_in_place(g.gather_view(), ctx.rank, ctx.world, ctx.process_group, ctx.chunk_elems)
+        if g.gathers_params:
+            collectives.gather_in_place(g.gather_view(), ctx.rank, ctx.world, ctx.process_group, ctx.chunk_elems)
 
 
 def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Optional[RoundReport],
@@ -253,7 +262,13 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         with record_function("ACCO::reduce"):
             grads = reduce_mean_grads(ctx, kind, denom)
         flat_grads = [t for gs in grads for t in gs]
-        norm_sq = collectives.sum_scalars(global_norm_sq(flat_grads, ctx.chunk_elems), ctx.process_group)
+        counted = [p for g, gs in zip(ctx.groups, grads) for p in g.norm_pieces(gs)]
+        local_sq = (global_norm_sq(counted, ctx.chunk_elems) if counted  # a shard of replicated parameters only
+                    else torch.zeros((), dtype=torch.float64, device=ctx.groups[0].comm.device))
+        norm_sq = collectives.sum_scalars(local_sq, ctx.process_group)
+        if ctx.norm_group is not None:
+            norm_sq = collectives.sum_scalars(norm_sq, ctx.norm_group)
+        del counted
         # The round's one host read (fixed mode): the squared norm, the previous commit's drift sums
         # and the counts table together. What the host decides (skip, clip factor, learning-rate
         # factor) follows from it.
@@ -281,7 +296,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                 raise NonFiniteGradientError(
                     f"round '{kind.value} {step}': the global mean gradient is not finite (norm {grad_norm}); "
                     "set acco.nonfinite to 'skip' to skip such updates instead")
-            write_shards(ctx)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
+            write_shards(ctx, kind)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
         else:
             if ctx.clip_grad > 0:
                 clip_(flat_grads, grad_norm, ctx.clip_grad)
@@ -293,9 +308,9 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
                         ctx.pending_drift = _drift_sums(ctx, before)
-                    write_shards(ctx)
+                    write_shards(ctx, kind)
                 else:
-                    outs = [v for g in ctx.groups for v in g.shard_views(g.gather_view())]
+                    outs = [v for g in ctx.groups for v in g.param_outputs(kind)]
                     ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor, settings=settings)
         del grads, flat_grads
         with record_function("ACCO::all_gather"):

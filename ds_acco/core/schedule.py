@@ -83,6 +83,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         shard_optimizer: steps the shards (estimate or commit).
         lane: where rounds run.
         process_group, rank, world: the rounds' dedicated group and this rank's place in it.
+        norm_group: tensor parallelism: a dedicated model-parallel group the norm is also summed over.
         options: see :class:`ScheduleOptions`.
         reduce_scatter: reduce with a reduce-scatter (NCCL) rather than all-reduce + slice (gloo).
         loss_scale: returns the loss scale backward passes use now (fp16; None: 1). G always
@@ -100,7 +101,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     """
 
     def __init__(self, groups: Sequence[BufferGroup], shard_optimizer, lane: CommLane, *, process_group,
-                 rank: int, world: int, options: ScheduleOptions, reduce_scatter: bool = False,
+                 rank: int, world: int, options: ScheduleOptions, reduce_scatter: bool = False, norm_group=None,
                  loss_scale: Optional[Callable[[], float]] = None,
                  report: Optional[Callable[[], RoundReport]] = None,
                  on_commit: Optional[Callable[[RoundResult], None]] = None,
@@ -115,8 +116,8 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         if isinstance(self.phases, SharedPhases):
             self.phases = self.phases.for_rank(rank, world)  # equal shares (fixed mode's) until rates are known
         self.context = RoundContext(
-            groups=self.groups, shard_optimizer=shard_optimizer, process_group=process_group, rank=rank, world=world,
-            gas_scale=options.gas_scale, clip_grad=options.clip_grad, nonfinite=options.nonfinite,
+            groups=self.groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,
+            rank=rank, world=world, gas_scale=options.gas_scale, clip_grad=options.clip_grad, nonfinite=options.nonfinite,
             reduce_scatter=reduce_scatter, track_drift=options.track_drift and options.mode == "acco",
             chunk_elems=options.chunk_elems, lr_power=options.lr_power,
             nominal_phase_micro_batches=options.nominal_phase * world,
