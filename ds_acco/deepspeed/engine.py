@@ -363,20 +363,25 @@ def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict
 
 
 def _refuse_model_parallelism(model, mpu) -> None:
-    """ACCO reduces, clips and skips over the data-parallel group only: with tensor / pipeline
-    parallelism the model-parallel ranks would compute different norms and skip decisions, and
-    MoE expert parameters are partitioned over other groups. Refused until supported."""
+    """Tensor parallelism is supported (rounds on the data-parallel group, the norm and the skip
+    over the model-parallel group as stock). Refused: pipeline parallelism (DeepSpeed's pipeline
+    engine schedules its own micro-batches and reduces per stage), sequence parallelism (ZeRO then
+    reduces over a sequence-data-parallel group ACCO is not tested on) and MoE experts (their
+    parameters are partitioned over expert groups)."""
     def size(name):
         fn = getattr(mpu, name, None)
         return int(fn()) if callable(fn) else 1
     if mpu is not None:
-        for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
-                     "get_pipeline_model_parallel_world_size"):
-            if size(name) > 1:
-                raise ValueError(f"acco.enabled = true with model parallelism: mpu.{name}() = {size(name)}; ACCO "
-                                 "reduces, clips and skips over the data-parallel group only; fix: run with tensor "
-                                 "and pipeline model-parallel sizes 1 (Megatron-DeepSpeed: --tensor-model-parallel-size 1 "
-                                 "--pipeline-model-parallel-size 1 --no-pipeline-parallel), or disable acco")
+        if size("get_pipeline_model_parallel_world_size") > 1:
+            raise ValueError("acco.enabled = true with pipeline parallelism: mpu.get_pipeline_model_parallel_world_size() "
+                             f"= {size('get_pipeline_model_parallel_world_size')}; ACCO runs on DeepSpeed's ZeRO-1 "
+                             "engine, not its pipeline engine; fix: run with --pipeline-model-parallel-size 1 "
+                             "--no-pipeline-parallel (tensor parallelism is supported), or disable acco")
+        if size("get_sequence_parallel_world_size") > 1:
+            raise ValueError("acco.enabled = true with sequence parallelism: mpu.get_sequence_parallel_world_size() = "
+                             f"{size('get_sequence_parallel_world_size')}; ZeRO then reduces over the "
+                             "sequence-data-parallel group, which ACCO does not support yet; fix: "
+                             "--ds-sequence-parallel-size 1 (tensor parallelism is supported), or disable acco")
     if hasattr(model, "named_parameters"):
         from deepspeed.moe.utils import is_moe_param
         experts = [n for n, p in model.named_parameters() if is_moe_param(p)]

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import logger
 
@@ -87,11 +88,20 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
                                       comm_dtype=comm_dtype, estimate_dtype=estimate_dtype))
         self.accum_dtype, self.comm_dtype = accum_dtype, comm_dtype
         self._grad_views = []
+        # Tensor parallelism (DeepSpeed's model_parallel_* from the mpu): the norm is summed over the
+        # model-parallel group as stock does, tensor-parallel shards counted on every rank and
+        # replicated parameters on model-parallel rank 0 only.
+        model_parallel = self.model_parallel_world_size > 1
         for i, params in enumerate(self.round_robin_bit16_groups):
             live, grads = groups[i].live, groups[i].grads
+            counted = []
             for p in params:
                 offset = p.data.storage_offset() - live.storage_offset()
                 self._grad_views.append((p, grads.narrow(0, offset, p.numel()).view_as(p)))
+                if is_model_parallel_parameter(p):
+                    counted.append((offset, p.numel()))
+            if model_parallel and self.model_parallel_rank != 0:
+                groups[i].set_norm_params(counted)
         self._accumulate_hooks = []
         if accum_dtype == model_dtype:
             self._attach_grads()  # autograd accumulates straight into G
@@ -107,7 +117,8 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             loss_scale=lambda: self.loss_scale, update_loss_scale=self._acco_update_loss_scale,
             after_commit=self._after_commit, log=logger.info, framework="DeepSpeed ZeRO-1",
             announce=logger.warning,  # DeepSpeed's logger shows WARNING and above by default
-            accelerator=_stream_accelerator(groups[0].live.device))
+            accelerator=_stream_accelerator(groups[0].live.device),
+            model_parallel_group=self.model_parallel_group if model_parallel else None)
 
     @property
     def schedule(self):

@@ -1,5 +1,6 @@
-"""Tensor / pipeline model parallelism and MoE experts are refused at initialize with the setting
-and the fix named (single process: the check runs before anything distributed)."""
+"""Pipeline and sequence parallelism and MoE experts are refused at initialize with the setting and
+the fix named (single process: the check runs before anything distributed); tensor parallelism
+passes the check (tests/deepspeed/test_tensor_parallel.py trains it)."""
 import pytest
 import torch
 
@@ -10,8 +11,8 @@ ACCO = {"enabled": True, "mode": "acco"}
 
 
 class FakeMPU:
-    def __init__(self, tp=1, pp=1):
-        self.tp, self.pp = tp, pp
+    def __init__(self, tp=1, pp=1, sp=1):
+        self.tp, self.pp, self.sp = tp, pp, sp
 
     def get_model_parallel_world_size(self):
         return self.tp
@@ -19,14 +20,18 @@ class FakeMPU:
     def get_pipeline_model_parallel_world_size(self):
         return self.pp
 
+    def get_sequence_parallel_world_size(self):
+        return self.sp
 
-@pytest.mark.parametrize("tp,pp,name", [(2, 1, "get_model_parallel_world_size"),
-                                        (1, 2, "get_pipeline_model_parallel_world_size")])
-def test_model_parallelism_is_refused(tp, pp, name):
+
+@pytest.mark.parametrize("tp,pp,sp,name", [(1, 2, 1, "get_pipeline_model_parallel_world_size"),
+                                           (2, 2, 1, "get_pipeline_model_parallel_world_size"),
+                                           (1, 1, 2, "get_sequence_parallel_world_size")])
+def test_model_parallelism_is_refused(tp, pp, sp, name):
     model = TinyNet(seed=0)
     with pytest.raises(ValueError) as err:
         ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model), config=ds_config(4, ACCO),
-                           mpu=FakeMPU(tp, pp))
+                           mpu=FakeMPU(tp, pp, sp))
     assert f"mpu.{name}() = 2" in str(err.value) and "fix:" in str(err.value)
 
 
@@ -38,7 +43,8 @@ def test_moe_experts_are_refused():
     assert "MoE expert parameters" in str(err.value) and "'fc2.weight'" in str(err.value)
 
 
-def test_data_parallel_mpu_passes_the_check():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_data_and_tensor_parallel_mpu_pass_the_check(tp):
     from ds_acco.deepspeed.engine import _refuse_model_parallelism
-    _refuse_model_parallelism(TinyNet(seed=0), FakeMPU(1, 1))  # no error: handed on to DeepSpeed
+    _refuse_model_parallelism(TinyNet(seed=0), FakeMPU(tp, 1))  # no error: handed on to DeepSpeed
     assert torch.is_tensor(next(TinyNet(seed=0).parameters()))

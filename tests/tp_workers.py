@@ -1,0 +1,185 @@
+"""Tensor parallelism by hand on 4 gloo ranks (2 data-parallel x 2 tensor-parallel), for
+tests/deepspeed/test_tensor_parallel.py.
+
+``TPNet`` is TinyNet's function split Megatron-style over a tensor-parallel group of 2: a
+replicated input scale, ``fc1`` column-parallel (its rows and bias split), ``fc2`` row-parallel
+(its columns split; the partial outputs all-reduced) with a replicated bias. ``FullNet`` is the
+same function unsplit: the float64 reference trains it at data-parallel world 2. Global rank
+``r`` is tensor-parallel rank ``r % 2`` of data-parallel rank ``r // 2`` (Megatron's order).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fixtures import HIDDEN, IN, OUT, batch  # noqa: F401 -- OUT for the tests
+
+TP, DP = 2, 2
+PART = HIDDEN // TP
+
+
+class FullNet(torch.nn.Module):
+    """loss = mse(fc2(tanh(fc1(x * scale))), y); the reference's model."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.scale = torch.nn.Parameter(1.0 + 0.3 * torch.randn(IN, generator=g))
+        self.fc1 = torch.nn.Linear(IN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, OUT)
+        with torch.no_grad():
+            for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc2(torch.tanh(self.fc1(x * self.scale))), y)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input's gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TPNet(torch.nn.Module):
+    """Tensor-parallel rank ``tp_rank``'s part of FullNet(seed); tensor-parallel parameters carry
+    ``tensor_model_parallel = True`` (how Megatron marks them, read by DeepSpeed)."""
+
+    def __init__(self, tp_rank: int, group, seed: int = 0):
+        super().__init__()
+        full = FullNet(seed)
+        rows = slice(tp_rank * PART, (tp_rank + 1) * PART)
+        self.group = group
+        self.scale = torch.nn.Parameter(full.scale.detach().clone())  # replicated
+        self.fc1_weight = torch.nn.Parameter(full.fc1.weight.detach()[rows].clone())  # column-parallel
+        self.fc1_bias = torch.nn.Parameter(full.fc1.bias.detach()[rows].clone())
+        self.fc2_weight = torch.nn.Parameter(full.fc2.weight.detach()[:, rows].clone())  # row-parallel
+        self.fc2_bias = torch.nn.Parameter(full.fc2.bias.detach().clone())  # replicated
+        for p in (self.fc1_weight, self.fc1_bias, self.fc2_weight):
+            p.tensor_model_parallel = True
+
+    def forward(self, x, y):
+        h = torch.tanh(torch.nn.functional.linear(_CopyToTP.apply(x * self.scale, self.group),
+                                                  self.fc1_weight, self.fc1_bias))
+        out = _ReduceFromTP.apply(torch.nn.functional.linear(h, self.fc2_weight), self.group) + self.fc2_bias
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def gather_full(params: dict, shards: list) -> dict:
+    """FullNet's parameters from the tensor-parallel ranks' TPNet parameters (rank order)."""
+    return {"scale": params["scale"], "fc1.weight": torch.cat([s["fc1_weight"] for s in shards], 0),
+            "fc1.bias": torch.cat([s["fc1_bias"] for s in shards], 0),
+            "fc2.weight": torch.cat([s["fc2_weight"] for s in shards], 1), "fc2.bias": params["fc2_bias"]}
+
+
+class MPU:
+    """The slice of Megatron's ``mpu`` DeepSpeed reads, over groups built on every rank in one order."""
+
+    def __init__(self):
+        rank = dist.get_rank()
+        self.tp_rank, self.dp_rank = rank % TP, rank // TP
+        for ranks in [[d * TP + t for t in range(TP)] for d in range(DP)]:  # tensor-parallel groups
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self.tp_group = g
+        for ranks in [[d * TP + t for d in range(DP)] for t in range(TP)]:  # data-parallel groups
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self.dp_group = g
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_model_parallel_world_size(self):
+        return TP
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+    def get_pipeline_model_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self):
+        return DP
+
+    def get_data_parallel_rank(self):
+        return self.dp_rank
+
+
+def train_tp(case: dict):
+    """Train TPNet on this rank for gas*steps micro-batches (the data of data-parallel rank
+    ``rank // 2``); return the committed parameters and which rounds were skipped."""
+    import deepspeed
+
+    import ds_acco
+    from fixtures import ds_config
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = MPU()
+    model = TPNet(mpu.tp_rank, mpu.tp_group)
+    opt = _optimizer(case["optimizer"], model)
+    cfg = ds_config(case["gas"], case.get("acco"), clip=case.get("clip", 0.0))
+    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    for i in range(case["gas"] * case["steps"]):
+        loss = engine(*batch(mpu.dp_rank, i))
+        engine.backward(loss)
+        if [dist.get_rank(), i] in [list(p) for p in case.get("nan_grad_at", ())]:
+            with torch.no_grad():  # p.grad is a view of ACCO's accumulator: the round sees it
+                model.fc2_weight.grad.view(-1)[0] = float("nan")
+        engine.step()
+    skipped = engine.skipped_steps
+    with ds_acco.committed_weights(engine):
+        final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"final": final, "skipped_steps": skipped}
+
+
+def _optimizer(name: str, model):
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
+    raise ValueError(name)
+
+
+def make_optimizer(name: str):
+    return lambda model: _optimizer(name, model)
+
+
+def train_tp_cases(cases):
+    return [train_tp(c) for c in cases]
+
