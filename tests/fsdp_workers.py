@@ -16,9 +16,10 @@ def _rank() -> int:
     return int(os.environ["RANK"])
 
 
-def sharded_tiny(mp: bool = False, mesh=None):
+def sharded_tiny(mp: bool = False, mesh=None, keep_fc2: bool = False):
     """TinyNet with fully_shard on each layer and on the root (default: a mesh over every rank: CPU
-    under gloo, the accelerator otherwise, see scripts/gpu_check.py)."""
+    under gloo, the accelerator otherwise, see scripts/gpu_check.py). ``keep_fc2``: fc2 with
+    reshard_after_forward=False (a forward without backward leaves it unsharded)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     if not dist.is_initialized():
@@ -31,14 +32,17 @@ def sharded_tiny(mp: bool = False, mesh=None):
               else MixedPrecisionPolicy())
     model = TinyNet(seed=0)
     for layer in (model.fc1, model.fc2):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not (keep_fc2 and layer is model.fc2))
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
 def live_snapshot(model):
-    """The weights the model computes with (FSDP's resident unsharded parameters), fp32 copies."""
-    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    """The weights the model's parameters hold (FSDP's resident unsharded parameters; sharded ones
+    gathered, a collective), fp32 copies."""
+    from torch.distributed.tensor import DTensor
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+            for n, p in model.named_parameters()}
 
 
 def master_snapshot(model):
@@ -48,17 +52,22 @@ def master_snapshot(model):
 
 def build(case, mesh=None):
     from ds_acco.fsdp import AccoFSDP
-    model = sharded_tiny(case.get("mp", False), mesh)
+    model = sharded_tiny(case.get("mp", False), mesh, keep_fc2=case.get("keep_fc2", False))
     # FSDP's sharded fp32 parameters (the ones the optimizer steps): the committed master θ
     model.acco_test_masters = dict(model.named_parameters())
     opt = make_optimizer(case["optimizer"])(model)
     sched = make_scheduler(case.get("schedule"))
     cfg = ds_config(case.get("gas", 4), case["acco"], clip=case.get("clip", 0.0), **case.get("extra", {}))
-    acco = AccoFSDP(model, opt, cfg, lr_scheduler=sched(opt) if sched else None)
+    acco = AccoFSDP(model, opt, cfg, lr_scheduler=sched(opt) if sched else None,
+                    sharded_params=case.get("sharded", False))
     return model, acco
 
 
-def feed(model, acco, start, stop, on_micro_batch=None, sleep=0.0):
+def feed(model, acco, start, stop, on_micro_batch=None, sleep=0.0, eval_at=(), sharded_log=None):
+    """Micro-batches ``start..stop-1``. ``eval_at``: after those, a forward without backward on
+    the committed weights (an evaluation). ``sharded_log``: gets, per micro-batch, whether every
+    parameter was a sharded DTensor after the step (nothing unsharded resident)."""
+    from torch.distributed.tensor import DTensor
     losses = []
     device = next(model.parameters()).device
     for i in range(start, stop):
@@ -68,6 +77,11 @@ def feed(model, acco, start, stop, on_micro_batch=None, sleep=0.0):
             time.sleep(sleep)
         acco.step()
         losses.append(loss.item())
+        if sharded_log is not None:
+            sharded_log.append(all(isinstance(p, DTensor) for p in model.parameters()))
+        if i in eval_at:
+            with ds_acco.committed_weights(acco), torch.no_grad():
+                model(*(t.to(device) for t in batch(_rank(), 0)))
         if on_micro_batch is not None:
             on_micro_batch(i)
     return losses
@@ -77,19 +91,23 @@ def run(case):
     """Train ``gas * steps`` micro-batches (or until ``until`` commits); return θ_T and the record."""
     model, acco = build(case)
     sleep = case.get("sleep", {}).get(str(_rank()), 0.0)
+    sharded = []
     if "until" in case:
         losses, i = [], 0
         while acco.global_steps < case["until"]:
             losses += feed(model, acco, i, i + 1, sleep=sleep)
             i += 1
     else:
-        losses = feed(model, acco, 0, case.get("gas", 4) * case["steps"], sleep=sleep)
+        losses = feed(model, acco, 0, case.get("gas", 4) * case["steps"], sleep=sleep, eval_at=case.get("eval_at", ()),
+                      sharded_log=sharded)
     with ds_acco.committed_weights(acco):
         final = live_snapshot(model)
         final_fp32 = master_snapshot(model)
     out = {"final": final, "final_fp32": final_fp32, "losses": losses, "global_steps": acco.global_steps,
            "phases": [p.tally.micro_batches for p in acco.schedule.history],
-           "metrics": acco.acco_metrics_history, "boundary_type": type(acco.is_gradient_accumulation_boundary()).__name__}
+           "metrics": acco.acco_metrics_history, "boundary_type": type(acco.is_gradient_accumulation_boundary()).__name__,
+           "sharded_between": sharded, "b_bytes": acco.buffers.comm.numel(),
+           "g_bytes": acco.buffers.grads.numel() * acco.buffers.grads.element_size()}
     acco.close()
     # after close the model is plain FSDP at the committed θ
     with torch.no_grad():
@@ -129,6 +147,19 @@ def checkpoint_runs(case, ckpt_dir, save_at, total):
         acco.close()
     out["files"] = sorted(os.listdir(ckpt_dir))
     return out
+
+
+def assert_resumes_exactly(rank_outs, save_at, total, gas) -> None:
+    """Checks on :func:`checkpoint_runs`' results (one per rank): each resume continues with the
+    uninterrupted run's losses and ends on its weights and step count."""
+    for rank_out in rank_outs:
+        full = rank_out["full"]
+        assert full["global_steps"] == total // gas
+        for i in save_at:
+            resumed = rank_out[i]
+            assert resumed["losses"] == full["losses"][i + 1:], f"losses differ after resuming at {i}"
+            assert all(torch.equal(resumed["final"][n], full["final"][n]) for n in full["final"])
+            assert resumed["global_steps"] == full["global_steps"]
 
 
 def fp16_run(case):
@@ -209,6 +240,13 @@ def everything(ds_cases, fsdp_cases, ckpt_case, ckpt_dir, save_at, total):
     out["ckpt"] = checkpoint_runs(ckpt_case, ckpt_dir, save_at, total)
     out["errors"] = config_errors()
     return out
+
+
+def sharded_params(cases, ckpt_case, ckpt_dir, save_at, total):
+    """tests/fsdp/test_sharded_params.py's distributed work in one spawn."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return {"runs": [run(c) for c in cases], "ckpt": checkpoint_runs(ckpt_case, ckpt_dir, save_at, total)}
 
 
 def loss_scaling(ds_cases, fsdp_case, ckpt_dir, save_at, total):

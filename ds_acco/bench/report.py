@@ -17,7 +17,8 @@ ORDER = ("stock", "fixed", "shared", "dynamic", "dynamic_sqrt", "dynamic_linear"
 LABELS = {"stock": "stock ZeRO-1", "fixed": "ACCO fixed", "shared": "ACCO shared", "dynamic": "ACCO dynamic", "dpu": "DPU",
           "dynamic_sqrt": "ACCO dynamic, LR × √(batch ratio)", "dynamic_linear": "ACCO dynamic, LR × batch ratio",
           "fsdp_stock": "stock FSDP2", "fsdp_fixed": "FSDP2 ACCO fixed", "fsdp_dynamic": "FSDP2 ACCO dynamic",
-          "fsdp_dpu": "FSDP2 DPU"}
+          "fsdp_dpu": "FSDP2 DPU", "fsdp_stock_sharded": "stock FSDP2, resharded",
+          "fsdp_fixed_sharded": "FSDP2 ACCO fixed, sharded params"}
 
 
 def _fmt(v, spec: str = ".3f", none: str = "–") -> str:

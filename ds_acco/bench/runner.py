@@ -430,8 +430,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
         pred = preds.get(mode)
         variants[name] = {
             "mode": mode, "framework": "fsdp2" if is_fsdp(name) else "deepspeed",
-            "baseline": None if mode == "stock" else ("fsdp_stock" if is_fsdp(name) and "fsdp_stock" in grouped
-                                                      else "stock"),
+            "baseline": None if mode == "stock" else _baseline(name, grouped),
             "runs": len(runs), "step_s": med_step, "step_spread": _spread(steps), "tokens_per_s": _median(tps),
             "tokens_per_step": _median(tokens_per_step), "micro_batches_per_rank": mb_per_rank,
             "compute_probe_s": t_compute, "compute_in_loop_s": loop_compute, "exposed_comm_s": exp,
@@ -531,3 +530,14 @@ def run_ab(spec: ABSpec, out_dir: str, *, command: str = "", out=None) -> dict:
         out.write("\nTime to target (this run):\n\n" + report.time_to_target_markdown(report.time_to_target([summary]))
                   + "\n")
     return summary
+
+
+def _baseline(name: str, present) -> str:
+    """The stock variant a variant is compared with: stock FSDP2 in the same layout when it ran,
+    else stock FSDP2, else stock ZeRO-1."""
+    if is_fsdp(name):
+        for base in (("fsdp_stock_sharded",) if name.endswith("_sharded") else ()) + ("fsdp_stock",):
+            if base in present:
+                return base
+    return "stock"
+

@@ -39,15 +39,24 @@ from ds_acco.gpt import CausalLM, heldout_loss, param_groups
 LR_RULES = ("sqrt", "linear")  # dynamic_<rule>: acco.dynamic.lr_scaling = <rule>
 DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu", "shared")
 FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
+# FSDP2 with parameters resharded after forward and backward (FSDP's memory-saving configuration):
+# stock with no-sync accumulation, and ACCO with AccoFSDP(sharded_params=True); named explicitly
+FSDP_SHARDED_VARIANTS = ("fsdp_stock_sharded", "fsdp_fixed_sharded")
 LR_VARIANTS = tuple(f"dynamic_{r}" for r in LR_RULES)  # DeepSpeed, named explicitly (not in 'all')
-VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS
+VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS + FSDP_SHARDED_VARIANTS
 
 
 def mode_of(variant: str) -> str:
     """The schedule a variant runs ('stock', 'fixed', 'dynamic' or 'dpu'), whatever the framework
     and learning-rate rule."""
     mode = variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
+    mode = mode[:-len("_sharded")] if mode.endswith("_sharded") else mode
     return "dynamic" if lr_rule_of(variant) else mode
+
+
+def is_sharded(variant: str) -> bool:
+    """An FSDP2 variant whose parameters stay sharded between uses (FSDP_SHARDED_VARIANTS)."""
+    return is_fsdp(variant) and variant.endswith("_sharded")
 
 
 def lr_rule_of(variant: str) -> Optional[str]:
@@ -154,15 +163,17 @@ class DeepSpeedTrainer(_Delegating):
         self.inner.destroy()
 
 
-def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+def shard_fsdp(model: torch.nn.Module, sharded: bool = False) -> torch.nn.Module:
     """FSDP2's usual recipe (``fully_shard`` each transformer block, then the root) on a 1-D CPU
-    mesh, with ``reshard_after_forward=False``: parameters are gathered once per optimizer step,
-    the same traffic as ZeRO-1 (one reduce-scatter and one all-gather of the model per step)."""
+    mesh, by default with ``reshard_after_forward=False``: parameters are gathered once per optimizer
+    step, the same traffic as ZeRO-1 (one reduce-scatter and one all-gather of the model per step).
+    ``sharded``: FSDP's defaults (blocks resharded after forward, re-gathered for backward), the
+    configuration that keeps one block unsharded at a time."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.lm.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=sharded)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model
 
@@ -189,15 +200,18 @@ def fsdp_adamw(model: torch.nn.Module, cfg: dict) -> torch.optim.AdamW:
 
 
 class StockFSDPTrainer:
-    """Stock FSDP2 with gradient accumulation: gradient sync (reduce-scatter) and resharding only
-    on the last micro-batch of each step, then clipping and the optimizer step on the shards."""
+    """Stock FSDP2 with gradient accumulation: gradient sync (reduce-scatter) only on the last
+    micro-batch of each step (no-sync accumulation of unsharded gradients before it), then clipping
+    and the optimizer step on the shards. Resharding after backward on the last micro-batch only,
+    or (``sharded``) after every forward and backward."""
 
     fsdp = True
     acco = False
 
-    def __init__(self, model: torch.nn.Module, cfg: dict):
+    def __init__(self, model: torch.nn.Module, cfg: dict, sharded: bool = False):
         check_fsdp_config(cfg)
-        self.module = shard_fsdp(model)
+        self.sharded = sharded
+        self.module = shard_fsdp(model, sharded)
         self.optimizer = fsdp_adamw(model, cfg)
         self.gas = cfg["gradient_accumulation_steps"]
         self.clip = float(cfg.get("gradient_clipping") or 0.0)
@@ -207,7 +221,7 @@ class StockFSDPTrainer:
     def __call__(self, rows):
         last = self.micro % self.gas == self.gas - 1
         self.module.set_requires_gradient_sync(last)
-        self.module.set_reshard_after_backward(last)  # the next step's forward gathers the new shards
+        self.module.set_reshard_after_backward(last or self.sharded)  # the next step's forward gathers the new shards
         return self.module(rows)
 
     def backward(self, loss):
@@ -248,11 +262,11 @@ class AccoFSDPTrainer(_Delegating):
     fsdp = True
     acco = True
 
-    def __init__(self, model: torch.nn.Module, cfg: dict):
+    def __init__(self, model: torch.nn.Module, cfg: dict, sharded: bool = False):
         from ds_acco.fsdp import AccoFSDP
         check_fsdp_config(cfg)
-        self.module = shard_fsdp(model)
-        super().__init__(AccoFSDP(self.module, fsdp_adamw(model, cfg), cfg), self.module)
+        self.module = shard_fsdp(model, sharded)
+        super().__init__(AccoFSDP(self.module, fsdp_adamw(model, cfg), cfg, sharded_params=sharded), self.module)
 
     def metrics_history(self) -> List[dict]:
         return self.inner.acco_metrics_history
@@ -264,7 +278,8 @@ class AccoFSDPTrainer(_Delegating):
 def make_trainer(variant: str, model: torch.nn.Module, cfg: dict):
     if not is_fsdp(variant):
         return DeepSpeedTrainer(model, cfg)
-    return StockFSDPTrainer(model, cfg) if mode_of(variant) == "stock" else AccoFSDPTrainer(model, cfg)
+    trainer = StockFSDPTrainer if mode_of(variant) == "stock" else AccoFSDPTrainer
+    return trainer(model, cfg, sharded=is_sharded(variant))
 
 
 # -- memory --------------------------------------------------------------------------------------

@@ -99,3 +99,27 @@ def guard_regather(modules: List[FSDPModule], allowed: Callable[[], bool], messa
         for pg in guarded:
             pg.__dict__.pop("unshard", None)
     return remove
+
+
+def gather_source(p: FSDPParamView) -> torch.Tensor:
+    """The padded flat shard FSDP all-gathers ``p`` from (``FSDPParam._sharded_param_data``: at
+    first a view of the sharded parameter's own storage)."""
+    return p._fsdp_param._sharded_param_data
+
+
+def set_gather_source(p: FSDPParamView, data: torch.Tensor) -> None:
+    """Make FSDP all-gather ``p`` from ``data`` (flat, the padded shard's numel, any float dtype:
+    FSDP casts it to ``param_dtype`` as it copies the all-gather input). Read by every unshard, set
+    between micro-batches only."""
+    fp = p._fsdp_param
+    if data.numel() != fp._sharded_param_data.numel() or data.dim() != 1:
+        raise ValueError(f"gather source of {data.numel()} elements for a padded shard of "
+                         f"{fp._sharded_param_data.numel()}")
+    fp._sharded_param_data = data
+
+
+def resharded_after_forward_to_a_smaller_mesh(p: FSDPParamView) -> bool:
+    """Whether ``reshard_after_forward`` is an int (FSDP then re-gathers from a post-forward shard)."""
+    fp = p._fsdp_param
+    return fp.post_forward_mesh_info is not None and fp.post_forward_mesh_info is not fp.mesh_info
+

@@ -1,10 +1,17 @@
 """``AccoFSDP``: ACCO / DPU for a model sharded with FSDP2's ``fully_shard``.
 
-FSDP2 cannot carry a reduction past ``backward()`` (PLATFORM_NOTES.md), so it runs here in a
-ZeRO-1-like configuration: the unsharded parameters stay resident (no reshard after forward or
-backward), FSDP's own gradient sync is off, gradients accumulate unsharded into G, and the shared
-core (:class:`~ds_acco.core.schedule.AccoSchedule`, the comm lane, the shard optimizer) owns all
-communication. FSDP's sharded DTensor parameters are the shards the user's optimizer steps.
+FSDP2 cannot carry a reduction past ``backward()`` (PLATFORM_NOTES.md): FSDP's own gradient sync is
+off, gradients accumulate unsharded into G, and the shared core
+(:class:`~ds_acco.core.schedule.AccoSchedule`, the comm lane, the shard optimizer) owns their
+reduction. FSDP's sharded DTensor parameters are the shards the user's optimizer steps. Two layouts:
+
+- default (ZeRO-1-like): the unsharded parameters stay resident (no reshard after forward or
+  backward) and each round all-gathers the new parameters into B, unpacked at the phase end;
+- ``sharded_params=True``: parameters stay sharded between uses and FSDP's own per-layer
+  all-gather (and prefetch) gathers them for every forward and backward; rounds only reduce and
+  step, and the phase-end swap points FSDP's all-gather at the committed shards or at one shard of
+  the estimate θ̃ (:class:`~ds_acco.fsdp.buffers.FSDPShardedBuffers`). No resident unsharded copy,
+  no parameter half of B.
 
     model = ...; fully_shard(block) for each block; fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), ...)
@@ -29,7 +36,7 @@ from ..core.driver import AccoDriver, check_same_on_all_ranks
 from ..core.rounds import RoundResult
 from ..core.schedule import AccoSchedule
 from . import _torch_internals as fsdp_internals
-from .buffers import FSDPBuffers
+from .buffers import FSDPBuffers, FSDPShardedBuffers
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,10 +57,12 @@ class AccoFSDP:
         config: a dict or a DeepSpeed-style JSON path; reads ``"acco"``, ``"gradient_accumulation_steps"``,
             ``"gradient_clipping"`` and ``"fp16"``.
         lr_scheduler: stepped once per committed optimizer step.
+        sharded_params: keep the parameters sharded between micro-batches (FSDP gathers them per
+            layer, with its prefetch); default: resident unsharded parameters (see the module).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Any, *,
-                 lr_scheduler: Any = None):
+                 lr_scheduler: Any = None, sharded_params: bool = False):
         raw = load_ds_config(config)
         if raw is None:
             raise ValueError("AccoFSDP needs a config (a dict or a JSON path) with an \"acco\" block")
@@ -92,6 +101,9 @@ class AccoFSDP:
             from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
             self.loss_scaler = CreateLossScaler(torch.float16, fp16.loss_scale, fp16.loss_scale == 0,
                                                 fp16.dynamic_loss_scale_args())
+        if not isinstance(sharded_params, bool):
+            raise ValueError(f"sharded_params = {sharded_params!r}: must be True or False")
+        self.sharded_params = sharded_params
         self.buffers = self._take_over_fsdp(model, acco)
         scaler = self.loss_scaler
         self.driver = AccoDriver(
@@ -105,19 +117,25 @@ class AccoFSDP:
         self.driver.install_sigterm(save=self.save_checkpoint)
 
     def _take_over_fsdp(self, model: FSDPModule, acco) -> FSDPBuffers:
-        """FSDP2 in a ZeRO-1-like configuration: resident unsharded parameters, FSDP's gradient sync
-        off, gradients into G through hooks, and FSDP's re-gather guarded."""
+        """FSDP's gradient sync off and gradients into G through hooks; by default FSDP2 in a
+        ZeRO-1-like configuration (resident unsharded parameters, FSDP's re-gather guarded), with
+        ``sharded_params`` FSDP's own resharding and per-layer all-gathers."""
         modules = fsdp_internals.fsdp_modules(model)
         fsdp_internals.lazy_init(model)  # root first: it decides the defaults we then override
         for m in modules:
-            m.set_reshard_after_forward(False, recurse=False)  # keep the unsharded params resident
-            m.set_reshard_after_backward(False, recurse=False)
+            if not self.sharded_params:
+                m.set_reshard_after_forward(False, recurse=False)  # keep the unsharded params resident
+                m.set_reshard_after_backward(False, recurse=False)
             m.set_requires_gradient_sync(False, recurse=False)  # grads stay unsharded: ACCO reduces them
         for m in modules:
-            m.unshard()  # θ_0 into the resident unsharded params (FSDP's one all-gather)
+            m.unshard()  # θ_0 into the unsharded params (this creates them: the hooks go on them)
+        if self.sharded_params:
+            for m in modules:
+                m.reshard()
         self.modules = modules
         self.regather_allowed = False
-        self._remove_guard = fsdp_internals.guard_regather(modules, lambda: self.regather_allowed, _REGATHER_REFUSED)
+        self._remove_guard = (lambda: None) if self.sharded_params else fsdp_internals.guard_regather(
+            modules, lambda: self.regather_allowed, _REGATHER_REFUSED)
         params = fsdp_internals.trainable_params(modules)
         if not params:
             raise ValueError("the model has no trainable FSDP parameters; fix: apply fully_shard to modules "
@@ -152,10 +170,16 @@ class AccoFSDP:
                              "fully_shard and before AccoFSDP")
         self._mesh_group = params[0].mesh.get_group()
         world = dist.get_world_size(self._mesh_group)
-        buffers = FSDPBuffers(params, rank=dist.get_rank(self._mesh_group), world=world, accum_dtype=accum_dtype,
-                              live_dtype=live_dtype, device=params[0].unsharded.device, estimate_dtype=estimate_dtype)
+        if self.sharded_params and any(fsdp_internals.resharded_after_forward_to_a_smaller_mesh(p) for p in params):
+            raise ValueError("AccoFSDP(sharded_params=True) with an integer reshard_after_forward (a post-forward "
+                             "mesh): not supported; fix: fully_shard with reshard_after_forward=True (or False)")
+        layout = FSDPShardedBuffers if self.sharded_params else FSDPBuffers
+        buffers = layout(params, rank=dist.get_rank(self._mesh_group), world=world, accum_dtype=accum_dtype,
+                         live_dtype=live_dtype, device=params[0].unsharded.device, estimate_dtype=estimate_dtype)
         self._hooks = [s.param.unsharded.register_post_accumulate_grad_hook(_accumulate_into(s.grad))
                        for s in buffers.slots]
+        if isinstance(buffers, FSDPShardedBuffers):
+            buffers.reshard = lambda: [m.reshard() for m in modules]
         return buffers
 
     def _update_loss_scale(self, skipped: bool) -> float:
@@ -234,6 +258,8 @@ class AccoFSDP:
                 h.remove()
             self._hooks = []
             self._remove_guard()
+            if isinstance(self.buffers, FSDPShardedBuffers):
+                self.buffers.restore_fsdp()  # FSDP gathers the committed shards again
             for m in self.modules:
                 m.reshard()
                 m.set_requires_gradient_sync(True, recurse=False)

@@ -14,12 +14,13 @@ view to view: no temporary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from ..core.buffers import BufferGroup, swap_
 from ..core.rounds import RoundKind
+from . import _torch_internals as fsdp_internals
 from ._torch_internals import FSDPParamView
 
 
@@ -37,6 +38,8 @@ class Slot:
 class FSDPBuffers(BufferGroup):
     """Maps FSDP2's unsharded / sharded parameters onto the schedule's buffers."""
 
+    _b_holds_params = True  # B also carries the all-gathered parameters (in the model dtype)
+
     def __init__(self, params: Sequence[FSDPParamView], *, rank: int, world: int, accum_dtype: torch.dtype,
                  live_dtype: torch.dtype, device: torch.device, estimate_dtype: Optional[torch.dtype] = None):
         self.rank, self.world = rank, world
@@ -52,7 +55,8 @@ class FSDPBuffers(BufferGroup):
             start += p.numel
         self.slots: List[Slot] = slots
         self.segment = offset
-        self.comm = self.allocate_comm(world * offset, device, accum_dtype, live_dtype, self.estimate_dtype)
+        self.comm = self.allocate_comm(world * offset, device, accum_dtype, self.estimate_dtype,
+                                       live_dtype if self._b_holds_params else None)
 
     # -- one parameter between its flat (param-major) form and B's rank-major columns ----------
     def _spans(self, slot: Slot):
@@ -134,3 +138,98 @@ class FSDPBuffers(BufferGroup):
     def layout(self) -> list:
         return [self.world, self.segment, str(self.comm_dtype), str(self.live_dtype),
                 [list(s.param.shape) for s in self.slots]]
+
+
+class FSDPShardedBuffers(FSDPBuffers):
+    """FSDP2 with sharded parameters (``AccoFSDP(..., sharded_params=True)``): FSDP gathers the
+    weights layer by layer from the shards for every forward and backward, as it does without ACCO.
+
+    Per rank this holds G (full size, ``reduce_dtype``: FSDP's own no-sync accumulation holds the
+    same), B for gradients only (full size, ``reduce_dtype``) and one padded shard E of the
+    estimate θ̃ (``param_dtype``, 1/N of the model). No round all-gathers parameters. What the
+    forward computes with is chosen by pointing FSDP's all-gather source (``gather_source``) at
+    the committed master shards or at E, at phase ends, with no copy in mode ``acco``:
+
+    - an estimate round reads the masters θ_t (FSDP gathers them too: both read) and writes θ̃_{t+1}
+      into E; collected, it points FSDP at E for the commit phase;
+    - a commit round steps the masters in place (FSDP gathers E meanwhile); collected, it points FSDP
+      back at the masters;
+    - a commit launched while FSDP gathers the masters (mode ``dpu``: every round is a commit) first
+      copies them into E (a shard) and points FSDP at E: the phase computes at θ_t while θ_{t+1} is
+      written.
+    ``committed_weights`` toggles the source (the masters are committed after the drain).
+    """
+
+    _b_holds_params = False
+    gathers_params = False
+
+    def __init__(self, params: Sequence[FSDPParamView], **kwargs):
+        super().__init__(params, **kwargs)
+        # E: every slot's padded shard, in the layout of one rank's segment of B
+        self.estimate = torch.zeros(self.segment, dtype=self.live_dtype, device=self.grads.device)
+        self._masters = [fsdp_internals.gather_source(s.param) for s in self.slots]
+        self.on_estimate = False  # FSDP gathers E (else the masters)
+        self._packed: Optional[RoundKind] = None  # the kind of the round launched last
+        # Called before FSDP's source changes: frees unsharded parameters still resident (FSDP keeps
+        # the root's after a forward without backward, e.g. an evaluation) so the next forward
+        # gathers from the new source. Set by the adapter.
+        self.reshard: Callable[[], None] = lambda: None
+
+    def _padded(self, s: Slot) -> torch.Tensor:
+        return self.estimate.narrow(0, s.offset, s.padded)
+
+    def _point_fsdp(self, on_estimate: bool) -> None:
+        self.reshard()
+        for s, master in zip(self.slots, self._masters):
+            fsdp_internals.set_gather_source(s.param, self._padded(s) if on_estimate else master)
+        self.on_estimate = on_estimate
+
+    def restore_fsdp(self) -> None:
+        """Point FSDP back at the master shards (close): plain FSDP at the committed θ."""
+        self._point_fsdp(False)
+
+    def param_outputs(self, kind: RoundKind) -> Optional[List[torch.Tensor]]:
+        if kind is RoundKind.COMMIT:
+            return None  # the masters are the output; FSDP reads them after the collect
+        return [self.estimate.narrow(0, s.offset, s.local) for s in self.slots]
+
+    def live_shard_views(self) -> List[torch.Tensor]:
+        """This rank's shard of what the forward computes with now."""
+        if self.on_estimate:
+            return [self.estimate.narrow(0, s.offset, s.local) for s in self.slots]
+        return [v.reshape(-1) for v in self.shard_values()]
+
+    def pack_grads(self, kind: RoundKind, clear: bool) -> None:
+        if kind is RoundKind.COMMIT and not self.on_estimate:
+            # the commit writes the masters FSDP gathers from: the phase computes at a copy
+            for s, master in zip(self.slots, self._masters):
+                self._padded(s).copy_(master)
+            self._point_fsdp(True)
+        super().pack_grads(kind, clear)
+        self._packed = kind
+
+    def unpack_into_live(self) -> None:
+        self._point_fsdp(self._packed is RoundKind.ESTIMATE)
+
+    def swap_live_and_gathered(self) -> None:
+        self._point_fsdp(not self.on_estimate)
+
+    def gather_view(self) -> torch.Tensor:
+        raise RuntimeError("FSDPShardedBuffers: rounds gather no parameters (B carries gradients only)")
+
+    def export_state(self, swapped: bool) -> dict:
+        """G, E (this rank's shard) and which of the two FSDP gathers: no collective."""
+        return {"grads": self.grads.detach().to("cpu", copy=True),
+                "estimate_shard": self.estimate.detach().to("cpu", copy=True),
+                "on_estimate": self.on_estimate != swapped, "packed": None if self._packed is None else self._packed.value}
+
+    def import_state(self, state: dict, gather) -> None:
+        with torch.no_grad():
+            self.grads.copy_(state["grads"])
+            self.estimate.copy_(state["estimate_shard"])
+        self._packed = None if state["packed"] is None else RoundKind(state["packed"])
+        self._point_fsdp(state["on_estimate"])
+
+    def layout(self) -> list:
+        return super().layout() + ["sharded_params"]
+

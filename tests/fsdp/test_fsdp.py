@@ -147,14 +147,7 @@ def test_narrow_estimate_round(runs):
 
 
 def test_checkpoint_resume_is_exact(runs):
-    for rank_out in runs["ckpt"]:
-        full = rank_out["full"]
-        assert full["global_steps"] == TOTAL // GAS
-        for i in SAVE_AT:
-            resumed = rank_out[i]
-            assert resumed["losses"] == full["losses"][i + 1:], f"losses differ after resuming at {i}"
-            assert all(torch.equal(resumed["final"][n], full["final"][n]) for n in full["final"])
-            assert resumed["global_steps"] == full["global_steps"]
+    fsdp_workers.assert_resumes_exactly(runs["ckpt"], SAVE_AT, TOTAL, GAS)
     assert runs["ckpt"][0]["files"] == sorted(f"mb{i}" for i in SAVE_AT)  # no scratch dirs left
     assert runs["ckpt"][0]["swapped_saves"]  # a save exported the swapped state (commit in flight)
 
