@@ -779,3 +779,14 @@ def test_tail_fidelity_medians_over_seeds_group_by_label_without_the_seed():
     assert groups[0]["median"] == pytest.approx(0.004)  # the median, not the mean (0.53%)
     text = report.tail_fidelity_markdown(report.tail_fidelity(runs))
     assert "| fid-lr2 | ACCO fixed | 3 | +0.40% | +0.20% – +1.00% |" in text
+
+
+def test_sharded_fsdp_variants_are_compared_with_stock_fsdp_in_the_same_layout():
+    from ds_acco.bench.worker import is_sharded, mode_of
+    assert [mode_of(v) for v in ("fsdp_stock_sharded", "fsdp_fixed_sharded")] == ["stock", "fixed"]
+    assert is_sharded("fsdp_fixed_sharded") and not is_sharded("fsdp_fixed") and not is_sharded("fixed")
+    present = {"stock", "fsdp_stock", "fsdp_stock_sharded", "fsdp_fixed", "fsdp_fixed_sharded"}
+    assert runner._baseline("fsdp_fixed_sharded", present) == "fsdp_stock_sharded"
+    assert runner._baseline("fsdp_fixed", present) == "fsdp_stock"
+    assert runner._baseline("fsdp_fixed_sharded", present - {"fsdp_stock_sharded"}) == "fsdp_stock"
+    assert runner._baseline("fixed", present) == "stock"
