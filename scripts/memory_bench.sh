@@ -5,12 +5,14 @@
 # final evaluation; "one buffer" B is the model's size in the communication dtype.
 #   scripts/memory_bench.sh [OUT_DIR] [extra ab arguments...]
 # Defaults: the 43M-parameter GPT (6 x 768), 2 ranks on loopback, gradient_accumulation_steps 4.
+# VARIANTS="stock fixed dynamic dpu" (any of python -m ds_acco.bench ab's: each is compared with its
+# own stock -- fsdp_* with stock FSDP2 in the same layout, fsdp_*_sharded with fsdp_stock_sharded).
 set -euo pipefail
 OUT=${1:-bench_results/memory}
 shift || true
 REPEATS=${REPEATS:-3}
 PY=${PYTHON:-python}
-VARIANTS=(stock fixed dynamic dpu)
+read -r -a VARIANTS <<<"${VARIANTS:-stock fixed dynamic dpu}"
 mkdir -p "$OUT"
 ARGS=(--network loopback --world 2 --n-embd 768 --n-layer 6 --n-head 12 --gas 4 --steps 3 --warmup 1 "$@")
 for ((r = 0; r < REPEATS; r++)); do
@@ -21,9 +23,9 @@ for ((r = 0; r < REPEATS; r++)); do
       || { echo "failed: see $OUT/r$r-$v.log"; exit 1; }
   done
 done
-"$PY" - "$OUT" "$REPEATS" <<'PY'
+"$PY" - "$OUT" "$REPEATS" "${VARIANTS[@]}" <<'PY'
 import glob, json, os, statistics, sys
-out, repeats = sys.argv[1], int(sys.argv[2])
+out, repeats, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 peaks, buf = {}, None
 paths = [p for r in range(repeats) for p in glob.glob(os.path.join(out, f"r{r}-*", f"mem-*-r{r}.json"))]
 for path in paths:
@@ -33,14 +35,26 @@ for path in paths:
     for name, v in s["variants"].items():
         peaks.setdefault(name, []).append(v["peak_mem_delta_bytes"] / 2 ** 20)
     buf = s["model_bytes_comm_dtype"] / 2 ** 20
-stock = statistics.median(peaks["stock"])
-rows = [f"one buffer B = {buf:.0f} MiB; target: ACCO <= stock + 1.25 B = stock + {1.25 * buf:.0f} MiB", "",
-        "| variant | peak RSS Δ MiB, median (runs) | − stock | in B |", "|---|---|---|---|"]
-for name in ("stock", "fixed", "dynamic", "dpu"):
+
+
+def baseline(name):  # the stock run of the same framework and layout (ds_acco.bench.runner._baseline)
+    if name.startswith("fsdp_"):
+        for base in (["fsdp_stock_sharded"] if name.endswith("_sharded") else []) + ["fsdp_stock"]:
+            if base in peaks:
+                return base
+    return "stock"
+
+
+rows = [f"one buffer B = {buf:.0f} MiB (the model in the communication dtype); target: ACCO <= its stock + 1.25 B "
+        f"= + {1.25 * buf:.0f} MiB", "",
+        "| variant | peak RSS Δ MiB, median (runs) | its stock | − its stock | in B |", "|---|---|---|---|---|"]
+for name in names:
     if name in peaks:
         m = statistics.median(peaks[name])
         runs = " / ".join(f"{p:.0f}" for p in sorted(peaks[name]))
-        rows.append(f"| {name} | {m:.0f} ({runs}) | {m - stock:+.0f} | {(m - stock) / buf:+.2f} |")
+        base = baseline(name)
+        ref = statistics.median(peaks[base]) if base in peaks else float("nan")
+        rows.append(f"| {name} | {m:.0f} ({runs}) | {base} | {m - ref:+.0f} | {(m - ref) / buf:+.2f} |")
 text = "\n".join(rows)
 print(text)
 open(os.path.join(out, "memory.md"), "w").write(text + "\n")
