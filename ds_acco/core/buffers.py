@@ -183,6 +183,9 @@ class FlatBuffers(BufferGroup):
         self.comm_dtype, self.live_dtype = comm_dtype, live.dtype
         self.estimate_dtype = estimate_dtype if estimate_dtype != comm_dtype else None
         self.comm = self.allocate_comm(n, live.device, comm_dtype, live.dtype, self.estimate_dtype)
+        # Called with the new G after G and B swapped storage (pack_grads): the adapter re-points
+        # the parameters' gradient views.
+        self.on_grads_moved: Optional[Callable[[torch.Tensor], None]] = None
 
     @property
     def shard_params(self) -> List[torch.Tensor]:
@@ -219,7 +222,19 @@ class FlatBuffers(BufferGroup):
                 runs.append((a - lo, b - a))
         self.norm_ranges = runs
 
+    def swaps_with_g(self, kind: RoundKind) -> bool:
+        """Whether B ← G can be an exchange of storage instead of a copy: G is cleared (a commit),
+        B is exactly G's bytes and reduces in G's dtype, and an adapter re-points its views."""
+        return (self.on_grads_moved is not None and self.reduce_view(kind).dtype == self.grads.dtype
+                and self.comm.numel() == self.grads.numel() * self.grads.element_size())
+
     def pack_grads(self, kind: RoundKind, clear: bool) -> None:
+        if clear and self.swaps_with_g(kind):
+            # B ← G without a full-size copy: the round gets G's storage, G takes B's (zeroed)
+            self.grads, self.comm = self.comm.view(self.grads.dtype), self.grads.view(torch.uint8)
+            self.grads.zero_()
+            self.on_grads_moved(self.grads)
+            return
         self.reduce_view(kind).copy_(self.grads)
         if clear:
             self.grads.zero_()

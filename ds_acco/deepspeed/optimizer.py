@@ -9,6 +9,7 @@ allocated: the only extra full-size tensor is the core's communication buffer.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -35,12 +36,24 @@ def _stream_accelerator(device: torch.device):
     return get_accelerator()
 
 
-def _adder(view: torch.Tensor):
-    """A post-accumulate-grad hook adding the parameter's gradient into its slice of G."""
+def _adder(views: list, k: int):
+    """A post-accumulate-grad hook adding the parameter's gradient into its slice of G (looked up at
+    each call: G moves when it swaps with B)."""
     def hook(param: torch.Tensor) -> None:
+        view = views[k][1]
         view.add_(param.grad.view_as(view))
         param.grad = None
     return hook
+
+def _follow_grads(optimizer_ref, group: int):
+    """The groups' callback when G moves. Holds the optimizer weakly: the lane's thread reaches the
+    groups, and a strong reference back would keep an abandoned engine alive (never collected)."""
+    def moved(grads: torch.Tensor) -> None:
+        optimizer = optimizer_ref()
+        if optimizer is not None:
+            optimizer._grads_moved(group, grads)
+    return moved
+
 
 # Stock knobs that only shape DeepSpeed's own reduction, which ACCO replaces.
 _REPLACED_KNOBS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
@@ -87,7 +100,8 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             groups.append(FlatBuffers(live, grads, self.single_partition_of_fp32_groups[i], rank=rank, world=world,
                                       comm_dtype=comm_dtype, estimate_dtype=estimate_dtype))
         self.accum_dtype, self.comm_dtype = accum_dtype, comm_dtype
-        self._grad_views = []
+        self._grad_views = []  # (param, its view in G), rebuilt when G moves (_grads_moved)
+        self._grad_offsets = []  # (group, offset in the flat group) per entry of _grad_views
         # Tensor parallelism (DeepSpeed's model_parallel_* from the mpu): the norm is summed over the
         # model-parallel group as stock does, tensor-parallel shards counted on every rank and
         # replicated parameters on model-parallel rank 0 only.
@@ -98,6 +112,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             for p in params:
                 offset = p.data.storage_offset() - live.storage_offset()
                 self._grad_views.append((p, grads.narrow(0, offset, p.numel()).view_as(p)))
+                self._grad_offsets.append((i, offset))
                 if is_model_parallel_parameter(p):
                     counted.append((offset, p.numel()))
             if model_parallel and self.model_parallel_rank != 0:
@@ -106,8 +121,10 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         if accum_dtype == model_dtype:
             self._attach_grads()  # autograd accumulates straight into G
         else:
-            for p, view in self._grad_views:
-                self._accumulate_hooks.append(p.register_post_accumulate_grad_hook(_adder(view)))
+            for k, (p, _) in enumerate(self._grad_views):
+                self._accumulate_hooks.append(p.register_post_accumulate_grad_hook(_adder(self._grad_views, k)))
+        for i, g in enumerate(groups):
+            g.on_grads_moved = _follow_grads(weakref.ref(self), i)
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
         self.driver = AccoDriver(
             acco_config, groups=groups, optimizer=self.optimizer, process_group=self.dp_process_group,
@@ -132,6 +149,17 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         for p, view in self._grad_views:
             if p.grad is not view:
                 p.grad = view
+
+    def _grads_moved(self, group: int, grads: torch.Tensor) -> None:
+        """G of ``group`` swapped storage with B at a commit launch: the parameters' views follow
+        (the next backward_prologue re-points p.grad anyway; here at once, so a caller reading
+        p.grad before it sees the new G, not the round's B)."""
+        for k, ((p, _), (i, offset)) in enumerate(zip(self._grad_views, self._grad_offsets)):
+            if i == group:
+                view = grads.narrow(0, offset, p.numel()).view_as(p)
+                self._grad_views[k] = (p, view)
+                if not self._accumulate_hooks:
+                    p.grad = view
 
     def backward_prologue(self):
         # Someone (module.zero_grad(), a trainer) may have dropped p.grad; autograd must keep
