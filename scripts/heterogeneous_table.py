@@ -17,10 +17,11 @@ def main(paths):
         m = re.search(r"slow\d+x([\d.]+)\.json$", path)
         if not m:
             continue
+        ratio = re.search(r"-r([\d.]+)-", path)
         res = json.load(open(path))
         by = {r["variant"]: r for r in res["rows"]}
         stock = by["stock"]
-        cells = [f"{float(m.group(1)):g}×", f"{stock['step_s']:.3f}"]
+        cells = [ratio.group(1) if ratio else "–", f"{float(m.group(1)):g}×", f"{stock['step_s']:.3f}"]
         for v in VARIANTS:
             r = by.get(v)
             if r is None:
@@ -31,10 +32,10 @@ def main(paths):
             gap = (r["loss_at_equal_tokens"] / stock["loss_at_equal_tokens"] - 1) * 100
             cells.append(f"{ttt}, {gap:+.2f}%" + (f" ({r['tokens_per_step'] / stock['tokens_per_step']:.1f}× batch)"
                                                   if r["tokens_per_step"] != stock["tokens_per_step"] else ""))
-        rows.append((float(m.group(1)), cells))
-    print("| slow rank | stock s per step | ACCO fixed: time to target × stock, gap at equal tokens | ACCO shared | "
+        rows.append(((float(ratio.group(1)) if ratio else 0.0, float(m.group(1))), cells))
+    print("| r (nominal) | slow rank | stock s per step | ACCO fixed: time to target × stock, gap at equal tokens | ACCO shared | "
           "ACCO dynamic |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for _, cells in sorted(rows):
         print("| " + " | ".join(cells) + " |")
 
