@@ -21,6 +21,8 @@ BF16_FP32_ACCUM = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype":
 CASES = {
     "bf16": dict(BASE, acco={"enabled": True, "mode": "acco"}, extra=BF16),
     "bf16-fp32-accum": dict(BASE, acco={"enabled": True, "mode": "acco"}, extra=BF16_FP32_ACCUM),
+    "bf16-bf16-accum": dict(BASE, acco={"enabled": True, "mode": "acco"},
+                            extra={"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}),
     "bf16-fp32-accum-bf16-estimate": dict(BASE, acco={"enabled": True, "mode": "acco", "estimate_comm_dtype": "bf16"},
                                           extra=BF16_FP32_ACCUM),
     "bf16-fp32-accum-dpu": dict(BASE, acco={"enabled": True, "mode": "dpu"}, extra=BF16_FP32_ACCUM),
@@ -60,6 +62,15 @@ def test_bf16_with_fp32_accumulation_runs_acco_not_bf16_optimizer(runs):
     assert run["optimizer"] == "AccoZeroOptimizer" and run["param_dtype"] == "torch.bfloat16"
     assert run["memory"]["accum_dtype"] == "torch.float32" and run["memory"]["comm_dtype"] == "torch.float32"
     assert runs["bf16"]["memory"]["accum_dtype"] == "torch.bfloat16"
+
+
+def test_bf16_accumulation_configured_keeps_g_and_b_in_bf16(runs):
+    """"data_types": {"grad_accum_dtype": "bf16"}: G and B in bf16 (half of fp32's bytes), the same
+    run as bf16's default, bit for bit."""
+    run, default = runs["bf16-bf16-accum"], runs["bf16"]
+    assert run["memory"]["accum_dtype"] == "torch.bfloat16" and run["memory"]["comm_dtype"] == "torch.bfloat16"
+    assert run["memory"]["comm_bytes"] * 2 == runs["bf16-fp32-accum"]["memory"]["comm_bytes"]
+    assert all(torch.equal(run["final"][n], default["final"][n]) for n in default["final"])
 
 
 @pytest.mark.parametrize("name,mode,tol", [
