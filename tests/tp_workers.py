@@ -9,6 +9,9 @@ same function unsplit: the float64 reference trains it at data-parallel world 2.
 """
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
 import torch.distributed as dist
 
@@ -154,13 +157,24 @@ def train_tp(case: dict):
     opt = _optimizer(case["optimizer"], model)
     cfg = ds_config(case["gas"], case.get("acco"), clip=case.get("clip", 0.0))
     engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
-    for i in range(case["gas"] * case["steps"]):
-        loss = engine(*batch(mpu.dp_rank, i))
-        engine.backward(loss)
-        if [dist.get_rank(), i] in [list(p) for p in case.get("nan_grad_at", ())]:
-            with torch.no_grad():  # p.grad is a view of ACCO's accumulator: the round sees it
-                model.fc2_weight.grad.view(-1)[0] = float("nan")
-        engine.step()
+    done, stopped = 0, None
+    try:
+        for i in range(case["gas"] * case["steps"]):
+            loss = engine(*batch(mpu.dp_rank, i))
+            engine.backward(loss)
+            if [dist.get_rank(), i] in [list(p) for p in case.get("nan_grad_at", ())]:
+                with torch.no_grad():  # p.grad is a view of ACCO's accumulator: the round sees it
+                    model.fc2_weight.grad.view(-1)[0] = float("nan")
+            engine.step()
+            done = i + 1
+            if [dist.get_rank(), i] == case.get("sigterm_at"):
+                os.kill(os.getpid(), signal.SIGTERM)  # acco.sigterm 'stop': every rank stops at one round
+    except SystemExit as exc:
+        stopped = exc.code
+    if stopped is not None:
+        out = {"stopped": stopped, "done": done, "global_steps": engine.global_steps}
+        engine.destroy()
+        return out
     skipped = engine.skipped_steps
     with ds_acco.committed_weights(engine):
         final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}

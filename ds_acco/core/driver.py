@@ -282,7 +282,7 @@ class AccoDriver:
 
     def stop_requested_by_any_rank(self) -> bool:
         """Whether a round collected so far carried a stop request from some rank."""
-        return any(p.stop for r in self.schedule.recent_rounds for p in (r.peer_report or ()))
+        return any(r.stop_anywhere or any(p.stop for p in (r.peer_report or ())) for r in self.schedule.recent_rounds)
 
     def install_sigterm(self, save: Optional[Callable[[str], None]] = None) -> None:
         """Honour ``acco.sigterm``: on SIGTERM only flag the request (it rides along with this

@@ -71,6 +71,9 @@ class RoundResult:
     skipped: bool = False  # non-finite mean gradient: no update (the estimate fell back to θ)
     lr_factor: float = 1.0  # the learning-rate multiplier the step used (dynamic mode's lr_scaling)
     lr: Optional[float] = None  # the first param group's learning rate the step used (× lr_factor)
+    # tensor parallelism: some rank of the whole data-parallel × model-parallel grid asked to stop
+    # (SIGTERM) with this round; the counts table only carries this data-parallel group's requests
+    stop_anywhere: bool = False
 
     @property
     def total(self) -> Tally:
@@ -90,14 +93,14 @@ class RoundResult:
                 "prev_commit_drift": self.prev_commit_drift, "started_at": self.started_at,
                 "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
                 "peer_report": None if self.peer_report is None else [r.to_dict() for r in self.peer_report],
-                "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr}
+                "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr, "stop_anywhere": self.stop_anywhere}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RoundResult":
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
                    d["grad_norm"], d.get("prev_commit_drift"), reports_from_checkpoint(d["peer_report"]),
                    d["started_at"], d["finished_at"], d["wait_s"], d["collected_at"], d.get("skipped", False),
-                   d.get("lr_factor", 1.0), d.get("lr"))
+                   d.get("lr_factor", 1.0), d.get("lr"), d.get("stop_anywhere", False))
 
 
 @dataclass(kw_only=True)
@@ -263,25 +266,33 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
             grads = reduce_mean_grads(ctx, kind, denom)
         flat_grads = [t for gs in grads for t in gs]
         counted = [p for g, gs in zip(ctx.groups, grads) for p in g.norm_pieces(gs)]
+        device = ctx.groups[0].comm.device
         local_sq = (global_norm_sq(counted, ctx.chunk_elems) if counted  # a shard of replicated parameters only
-                    else torch.zeros((), dtype=torch.float64, device=ctx.groups[0].comm.device))
-        norm_sq = collectives.sum_scalars(local_sq, ctx.process_group)
-        if ctx.norm_group is not None:
-            norm_sq = collectives.sum_scalars(norm_sq, ctx.norm_group)
+                    else torch.zeros((), dtype=torch.float64, device=device))
         del counted
-        # The round's one host read (fixed mode): the squared norm, the previous commit's drift sums
-        # and the counts table together. What the host decides (skip, clip factor, learning-rate
-        # factor) follows from it.
-        parts = [norm_sq.reshape(1)]
+        if ctx.norm_group is not None:
+            # Tensor parallelism: the norm and the stop requests of every data-parallel group, summed
+            # over the data-parallel group then the model-parallel one (stock's order for the norm)
+            stop = bool(report.stop) if report is not None else any(r.stop for r in (reports or ()))
+            sums = torch.stack([local_sq, torch.tensor(float(stop), dtype=torch.float64, device=device)])
+            sums = collectives.sum_scalars(collectives.sum_scalars(sums, ctx.process_group), ctx.norm_group)
+        else:
+            sums = collectives.sum_scalars(local_sq.reshape(1), ctx.process_group)
+        # The round's one host read (fixed mode): the squared norm (and the stop requests), the
+        # previous commit's drift sums and the counts table together. What the host decides (skip,
+        # clip factor, learning-rate factor) follows from it.
+        parts = [sums]
         pending, ctx.pending_drift = ctx.pending_drift, None
         if pending is not None:
             parts.append(pending)
         if per_rank is None:
             parts.append(table.reshape(-1))
         host = torch.cat(parts).tolist()
+        head = sums.numel()
+        stop_anywhere = head > 1 and host[1] > 0
         prev_drift = None
         if pending is not None:
-            num, den = host[1], host[2]
+            num, den = host[head], host[head + 1]
             prev_drift = math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
         if per_rank is None:
             width, first = table.shape[1], len(host) - table.numel()
@@ -318,7 +329,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
     lr = settings[0].get("lr") if settings else None
     return RoundResult(kind, step, local, per_rank, grad_norm, prev_drift, reports, started, time.perf_counter(),
                        skipped=skipped, lr_factor=lr_factor,
-                       lr=float(lr) * lr_factor if isinstance(lr, (int, float)) else None)
+                       lr=float(lr) * lr_factor if isinstance(lr, (int, float)) else None, stop_anywhere=stop_anywhere)
 
 
 def _check_counts(kind: RoundKind, step: int, per_rank: Sequence[Tally], reports) -> None:

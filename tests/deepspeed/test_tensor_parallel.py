@@ -25,13 +25,18 @@ CASES = [
     {"name": "acco-sgd-nan-on-one-tp-rank", "acco": ACCO, "optimizer": "sgd", "clip": 0.0, "nan_grad_at": [[1, 6]],
      "skip_commit": (1,)},
 ]
+# SIGTERM on global rank 1 only (tensor-parallel rank 1 of data-parallel group {1, 3}): the other
+# data-parallel group {0, 2} must stop at the same round, or its ranks wait in the tensor-parallel
+# all-reduces of the next forward for peers that left
+SIGTERM_CASE = {"name": "acco-sigterm-one-tp-rank", "acco": dict(ACCO, sigterm="stop"), "optimizer": "sgd", "clip": 0.0,
+                "sigterm_at": [1, 5], "steps": 8, "gas": GAS}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    cases = [{**c, "steps": STEPS, "gas": GAS} for c in CASES]
+    cases = [{**c, "steps": STEPS, "gas": GAS} for c in CASES] + [SIGTERM_CASE]
     results = run_ranks(tp_workers.train_tp_cases, world=4, timeout=scaled(240), cases=cases)
-    return {c["name"]: [results[r][i] for r in range(4)] for i, c in enumerate(CASES)}
+    return {c["name"]: [results[r][i] for r in range(4)] for i, c in enumerate(cases)}
 
 
 def _reference(case, clip=None):
@@ -59,3 +64,10 @@ def test_matches_the_unsplit_reference(runs, case):
     if case["clip"]:  # clipping is active: the unclipped trajectory is far
         assert rel_distance({n: v.float() for n, v in _reference(case, clip=0.0).items()}, want) > 1e-3
     assert all(r["skipped_steps"] == len(case.get("skip_commit", ())) for r in ranks)
+
+
+def test_sigterm_on_one_tensor_parallel_rank_stops_every_rank_at_the_same_round(runs):
+    ranks = runs[SIGTERM_CASE["name"]]
+    assert all(r["stopped"] == 143 for r in ranks), ranks
+    assert len({(r["done"], r["global_steps"]) for r in ranks}) == 1, ranks  # the same micro-batch and step
+    assert ranks[0]["done"] < SIGTERM_CASE["steps"] * GAS
