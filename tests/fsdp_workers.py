@@ -246,7 +246,45 @@ def sharded_params(cases, ckpt_case, ckpt_dir, save_at, total):
     """tests/fsdp/test_sharded_params.py's distributed work in one spawn."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    return {"runs": [run(c) for c in cases], "ckpt": checkpoint_runs(ckpt_case, ckpt_dir, save_at, total)}
+    return {"runs": [run(c) for c in cases], "ckpt": checkpoint_runs(ckpt_case, ckpt_dir, save_at, total),
+            "edges": sharded_edges(os.path.join(ckpt_dir, "resident"))}
+
+
+def sharded_edges(resident_ckpt):
+    """AccoFSDP(sharded_params=True) at its edges: an optimizer without a functional step, FSDP's
+    reset of its sharded parameters (model.to()) with a commit in flight, and a checkpoint of the
+    resident layout loaded mid-run (a fresh phase at the loaded shards)."""
+    from ds_acco.fsdp import AccoFSDP
+    case = {"optimizer": "sgd", "acco": {"enabled": True, "mode": "acco"}, "sharded": True}
+    out = {}
+    model = sharded_tiny()
+    try:
+        AccoFSDP(model, torch.optim.RMSprop(model.parameters(), lr=0.01), ds_config(4, case["acco"]),
+                 sharded_params=True).close()
+        out["rmsprop"] = "NO ERROR"
+    except ValueError as exc:
+        out["rmsprop"] = str(exc)
+    model, acco = build(case)
+    feed(model, acco, 0, 4)  # a commit in flight: FSDP gathers the estimate's shard
+    out["on_estimate_mid_commit"] = acco.buffers.on_estimate
+    try:
+        model.to("cpu")
+        out["to"] = "NO ERROR"
+    except RuntimeError as exc:
+        out["to"] = str(exc)
+    acco.close()
+    resident, racco = build(dict(case, sharded=False))
+    feed(resident, racco, 0, 4)
+    racco.save_checkpoint(resident_ckpt)
+    racco.close()
+    model, acco = build(case)
+    feed(model, acco, 0, 4)
+    acco.load_checkpoint(resident_ckpt)  # another layout: a fresh phase at the loaded committed θ
+    out["after_fallback_load"] = {"on_estimate": acco.buffers.on_estimate, "global_steps": acco.global_steps}
+    feed(model, acco, 4, 12)
+    out["after_fallback_load"]["steps_later"] = acco.global_steps
+    acco.close()
+    return out
 
 
 def loss_scaling(ds_cases, fsdp_case, ckpt_dir, save_at, total):

@@ -84,6 +84,11 @@ class BufferGroup(abc.ABC):
     def zero_grads(self) -> None:
         self.grads.zero_()
 
+    def reset(self) -> None:
+        """A fresh bootstrap phase at the committed weights (the schedule's reset): G ← 0; a layout
+        that chooses where the forward reads its weights reads the committed ones again."""
+        self.zero_grads()
+
     def scale_grads(self, factor: float) -> None:
         """G ← factor · G (a loss-scale change: a power of two, exact)."""
         self.grads.mul_(factor)

@@ -109,4 +109,4 @@ class ScheduleState:
         self._phase_clock = None  # a new bootstrap phase: not measured
         self.accumulated_loss_scale = self._current_loss_scale()
         for g in self.groups:
-            g.zero_grads()
+            g.reset()

@@ -101,7 +101,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
                                       comm_dtype=comm_dtype, estimate_dtype=estimate_dtype))
         self.accum_dtype, self.comm_dtype = accum_dtype, comm_dtype
         self._grad_views = []  # (param, its view in G), rebuilt when G moves (_grads_moved)
-        self._grad_offsets = []  # (group, offset in the flat group) per entry of _grad_views
+        self._grad_entries = [[] for _ in groups]  # per group: (index in _grad_views, offset in the flat group)
         # Tensor parallelism (DeepSpeed's model_parallel_* from the mpu): the norm is summed over the
         # model-parallel group as stock does, tensor-parallel shards counted on every rank and
         # replicated parameters on model-parallel rank 0 only.
@@ -112,7 +112,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             for p in params:
                 offset = p.data.storage_offset() - live.storage_offset()
                 self._grad_views.append((p, grads.narrow(0, offset, p.numel()).view_as(p)))
-                self._grad_offsets.append((i, offset))
+                self._grad_entries[i].append((len(self._grad_views) - 1, offset))
                 if is_model_parallel_parameter(p):
                     counted.append((offset, p.numel()))
             if model_parallel and self.model_parallel_rank != 0:
@@ -154,12 +154,12 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         """G of ``group`` swapped storage with B at a commit launch: the parameters' views follow
         (the next backward_prologue re-points p.grad anyway; here at once, so a caller reading
         p.grad before it sees the new G, not the round's B)."""
-        for k, ((p, _), (i, offset)) in enumerate(zip(self._grad_views, self._grad_offsets)):
-            if i == group:
-                view = grads.narrow(0, offset, p.numel()).view_as(p)
-                self._grad_views[k] = (p, view)
-                if not self._accumulate_hooks:
-                    p.grad = view
+        for k, offset in self._grad_entries[group]:
+            p = self._grad_views[k][0]
+            view = grads.narrow(0, offset, p.numel()).view_as(p)
+            self._grad_views[k] = (p, view)
+            if not self._accumulate_hooks:
+                p.grad = view
 
     def backward_prologue(self):
         # Someone (module.zero_grad(), a trainer) may have dropped p.grad; autograd must keep

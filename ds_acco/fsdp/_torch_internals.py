@@ -118,6 +118,21 @@ def set_gather_source(p: FSDPParamView, data: torch.Tensor) -> None:
     fp._sharded_param_data = data
 
 
+def guard_reset(params: List[FSDPParamView], message: str) -> Callable[[], None]:
+    """Make FSDP's ``reset_sharded_param`` (run by ``model.to()`` / ``_apply`` and by its
+    ``load_state_dict`` post-hook) raise ``RuntimeError(message)``: it would re-point the all-gather
+    source ACCO set, or move the master shards' storage. Returns the function removing the guard."""
+    for p in params:
+        def reset(_fp=p._fsdp_param):
+            raise RuntimeError(message)
+        p._fsdp_param.reset_sharded_param = reset  # instance attribute: FSDP's calls resolve it at call time
+
+    def remove() -> None:
+        for p in params:
+            p._fsdp_param.__dict__.pop("reset_sharded_param", None)
+    return remove
+
+
 def resharded_after_forward_to_a_smaller_mesh(p: FSDPParamView) -> bool:
     """Whether ``reshard_after_forward`` is an int (FSDP then re-gathers from a post-forward shard)."""
     fp = p._fsdp_param

@@ -40,6 +40,11 @@ from .buffers import FSDPBuffers, FSDPShardedBuffers
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_RESET_REFUSED = (
+    "FSDP is about to reset its sharded parameters (model.to(), .float() or model.load_state_dict() was called while "
+    "AccoFSDP(sharded_params=True) is active): it would re-point the all-gather ACCO directs between the committed "
+    "shards and the estimate's, with a round in flight; fix: acco.load_checkpoint() to load weights, or acco.close() "
+    "first")
 _REGATHER_REFUSED = (
     "FSDP is about to re-gather parameters that ACCO keeps resident (model.state_dict(), reshard() or .to() was "
     "called while AccoFSDP is active): the live weights would be overwritten by the shards; fix: use "
@@ -114,6 +119,12 @@ class AccoFSDP:
             loss_scale=None if scaler is None else (lambda: scaler.cur_scale),
             update_loss_scale=None if scaler is None else self._update_loss_scale, log=logger.info,
             framework="FSDP2")
+        if sharded_params and not self.driver.shard_optimizer.functional:
+            self.close()
+            raise ValueError(f"AccoFSDP(sharded_params=True) with {type(optimizer).__name__}: its estimate would take "
+                             "a real step on the shards FSDP all-gathers from during that phase (only torch SGD / "
+                             "Adam / AdamW have a functional step); fix: use one of those, or the resident layout "
+                             "(sharded_params=False)")
         self.driver.install_sigterm(save=self.save_checkpoint)
 
     def _take_over_fsdp(self, model: FSDPModule, acco) -> FSDPBuffers:
@@ -129,9 +140,8 @@ class AccoFSDP:
             m.set_requires_gradient_sync(False, recurse=False)  # grads stay unsharded: ACCO reduces them
         for m in modules:
             m.unshard()  # θ_0 into the unsharded params (this creates them: the hooks go on them)
-        if self.sharded_params:
-            for m in modules:
-                m.reshard()
+            if self.sharded_params:
+                m.reshard()  # one module's parameters unsharded at a time
         self.modules = modules
         self.regather_allowed = False
         self._remove_guard = (lambda: None) if self.sharded_params else fsdp_internals.guard_regather(
@@ -180,6 +190,7 @@ class AccoFSDP:
                        for s in buffers.slots]
         if isinstance(buffers, FSDPShardedBuffers):
             buffers.reshard = lambda: [m.reshard() for m in modules]
+            self._remove_guard = fsdp_internals.guard_reset(params, _RESET_REFUSED)
         return buffers
 
     def _update_loss_scale(self, skipped: bool) -> float:

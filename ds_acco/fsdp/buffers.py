@@ -168,7 +168,7 @@ class FSDPShardedBuffers(FSDPBuffers):
         # E: every slot's padded shard, in the layout of one rank's segment of B
         self.estimate = torch.zeros(self.segment, dtype=self.live_dtype, device=self.grads.device)
         self._masters = [fsdp_internals.gather_source(s.param) for s in self.slots]
-        self.on_estimate = False  # FSDP gathers E (else the masters)
+        self.on_estimate = False  # FSDP gathers E (else the masters: FSDP's own source)
         self._packed: Optional[RoundKind] = None  # the kind of the round launched last
         # Called before FSDP's source changes: frees unsharded parameters still resident (FSDP keeps
         # the root's after a forward without backward, e.g. an evaluation) so the next forward
@@ -179,10 +179,17 @@ class FSDPShardedBuffers(FSDPBuffers):
         return self.estimate.narrow(0, s.offset, s.padded)
 
     def _point_fsdp(self, on_estimate: bool) -> None:
+        if on_estimate == self.on_estimate:
+            return
         self.reshard()
         for s, master in zip(self.slots, self._masters):
             fsdp_internals.set_gather_source(s.param, self._padded(s) if on_estimate else master)
         self.on_estimate = on_estimate
+
+    def reset(self) -> None:
+        super().reset()
+        self._packed = None
+        self._point_fsdp(False)
 
     def restore_fsdp(self) -> None:
         """Point FSDP back at the master shards (close): plain FSDP at the committed θ."""
@@ -202,8 +209,7 @@ class FSDPShardedBuffers(FSDPBuffers):
     def pack_grads(self, kind: RoundKind, clear: bool) -> None:
         if kind is RoundKind.COMMIT and not self.on_estimate:
             # the commit writes the masters FSDP gathers from: the phase computes at a copy
-            for s, master in zip(self.slots, self._masters):
-                self._padded(s).copy_(master)
+            torch._foreach_copy_([self._padded(s) for s in self.slots], self._masters)
             self._point_fsdp(True)
         super().pack_grads(kind, clear)
         self._packed = kind

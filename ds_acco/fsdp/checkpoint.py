@@ -142,12 +142,13 @@ def load(acco, path: str) -> None:
         schedule.load_state_dict(extras["acco_state"])  # G, the live weights (θ or θ̃) and B
     except ValueError:
         # Another layout: start a fresh phase at the loaded committed θ (FSDP re-gathers it).
-        schedule.reset(acco.global_steps)
-        acco.regather_allowed = True
-        try:
-            for m in acco.modules:
-                m.reshard()
-            for m in acco.modules:
-                m.unshard()
-        finally:
-            acco.regather_allowed = False
+        schedule.reset(acco.global_steps)  # with sharded parameters FSDP gathers the loaded shards next
+        if not acco.sharded_params:
+            acco.regather_allowed = True
+            try:
+                for m in acco.modules:
+                    m.reshard()
+                for m in acco.modules:
+                    m.unshard()
+            finally:
+                acco.regather_allowed = False

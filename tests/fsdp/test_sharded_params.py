@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     r0, r1 = run_ranks(fsdp_workers.sharded_params, timeout=scaled(300), cases=CASES, ckpt_case=CKPT_CASE,
                        ckpt_dir=ckpt_dir, save_at=SAVE_AT, total=TOTAL)
     return {"runs": {c["name"]: (r0["runs"][i], r1["runs"][i]) for i, c in enumerate(CASES)},
-            "ckpt": (r0["ckpt"], r1["ckpt"])}
+            "ckpt": (r0["ckpt"], r1["ckpt"]), "edges": r0["edges"]}
 
 
 def rel_error(got, want):
@@ -78,3 +78,13 @@ def test_sharded_matches_reference(runs, name):
 def test_sharded_checkpoint_resume_is_exact(runs):
     fsdp_workers.assert_resumes_exactly(runs["ckpt"], SAVE_AT, TOTAL, GAS)
     assert runs["ckpt"][0]["swapped_saves"]
+
+
+def test_sharded_params_at_the_edges(runs):
+    e = runs["edges"]
+    assert "RMSprop" in e["rmsprop"] and "functional step" in e["rmsprop"] and "fix:" in e["rmsprop"]
+    assert e["on_estimate_mid_commit"] is True
+    assert "model.to()" in e["to"] and "fix:" in e["to"]
+    loaded = e["after_fallback_load"]
+    assert loaded["on_estimate"] is False and loaded["global_steps"] == 1  # the resident run had committed step 1
+    assert loaded["steps_later"] == 2  # 8 micro-batches: bootstrap, E, C (step 2 collected), E (commit 3 in flight)
