@@ -30,12 +30,27 @@ _SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 _SESSION_START = time.time() - 1
 
 
+def _mapped_shm_buffers() -> set:
+    """The DeepSpeed shm buffers some live process has mapped (from every readable /proc/PID/maps)."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f if "deepspeed_allreduce_buffer_" in line)
+        except OSError:  # the process ended, or belongs to another user (whose files are not ours to remove)
+            pass
+    return mapped
+
+
 def sweep_deepspeed_shm(since: float = _SESSION_START) -> int:
-    """Remove DeepSpeed shm buffers created since ``since``; returns how many."""
+    """Remove DeepSpeed shm buffers created since ``since`` that no live process maps (a DeepSpeed
+    job running beside the suite keeps its own: removing one it is still opening hangs its peer
+    rank at start-up); returns how many."""
     removed = 0
+    in_use = _mapped_shm_buffers()
     for path in glob.glob(_SHM_PATTERN):
         try:
-            if os.stat(path).st_mtime >= since:
+            if os.stat(path).st_mtime >= since and path not in in_use:
                 os.unlink(path)
                 removed += 1
         except FileNotFoundError:
