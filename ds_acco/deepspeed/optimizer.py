@@ -45,6 +45,7 @@ def _adder(views: list, k: int):
         param.grad = None
     return hook
 
+
 def _follow_grads(optimizer_ref, group: int):
     """The groups' callback when G moves. Holds the optimizer weakly: the lane's thread reaches the
     groups, and a strong reference back would keep an abandoned engine alive (never collected)."""
