@@ -255,6 +255,17 @@ UNEVEN_STEPS = {
 }
 
 
+def check_lockstep(acco: AccoConfig, collective: str) -> None:
+    """Refuses per-rank phase lengths ('dynamic', 'shared') where every micro-batch's forward or
+    backward runs collectives with other ranks (``collective`` says which): those pair by issue
+    order, so a rank that computes one micro-batch more than its peers would pair its collectives
+    with theirs of another phase (a hang, or weights gathered from different phases' sources)."""
+    if acco.accumulation in ("dynamic", "shared"):
+        raise ValueError(f"acco.accumulation = {acco.accumulation!r} with {collective}: it gives each rank its own "
+                         "number of micro-batches per phase, but every micro-batch runs collectives with the other "
+                         "ranks, which must all compute the same micro-batches; fix: set \"accumulation\": \"fixed\"")
+
+
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 

@@ -95,7 +95,7 @@ def run(case):
     if "until" in case:
         losses, i = [], 0
         while acco.global_steps < case["until"]:
-            losses += feed(model, acco, i, i + 1, sleep=sleep)
+            losses += feed(model, acco, i, i + 1, sleep=sleep, sharded_log=sharded)
             i += 1
     else:
         losses = feed(model, acco, 0, case.get("gas", 4) * case["steps"], sleep=sleep, eval_at=case.get("eval_at", ()),
@@ -106,7 +106,8 @@ def run(case):
     out = {"final": final, "final_fp32": final_fp32, "losses": losses, "global_steps": acco.global_steps,
            "phases": [p.tally.micro_batches for p in acco.schedule.history],
            "metrics": acco.acco_metrics_history, "boundary_type": type(acco.is_gradient_accumulation_boundary()).__name__,
-           "sharded_between": sharded, "b_bytes": acco.buffers.comm.numel(),
+           "sharded_between": sharded, "b_bytes": acco.buffers.comm.numel(), "skipped_steps": acco.skipped_steps,
+           "param_dtype": str(next(iter(model.parameters())).dtype),
            "g_bytes": acco.buffers.grads.numel() * acco.buffers.grads.element_size()}
     acco.close()
     # after close the model is plain FSDP at the committed θ
@@ -264,6 +265,14 @@ def sharded_edges(resident_ckpt):
         out["rmsprop"] = "NO ERROR"
     except ValueError as exc:
         out["rmsprop"] = str(exc)
+    for accumulation in ("dynamic", "shared"):  # per-rank phase lengths: FSDP gathers every micro-batch
+        model = sharded_tiny()
+        try:
+            AccoFSDP(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     ds_config(4, dict(case["acco"], accumulation=accumulation)), sharded_params=True).close()
+            out[accumulation] = "NO ERROR"
+        except ValueError as exc:
+            out[accumulation] = str(exc)
     model, acco = build(case)
     feed(model, acco, 0, 4)  # a commit in flight: FSDP gathers the estimate's shard
     out["on_estimate_mid_commit"] = acco.buffers.on_estimate

@@ -156,7 +156,12 @@ def train_tp(case: dict):
     model = TPNet(mpu.tp_rank, mpu.tp_group)
     opt = _optimizer(case["optimizer"], model)
     cfg = ds_config(case["gas"], case.get("acco"), clip=case.get("clip", 0.0))
-    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    try:
+        engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    except ValueError as exc:
+        if case.get("refused"):
+            return {"refused": str(exc)}
+        raise
     done, stopped = 0, None
     try:
         for i in range(case["gas"] * case["steps"]):

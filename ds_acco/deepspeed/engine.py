@@ -19,7 +19,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
-from ..config import UNEVEN_STEPS, AccoConfig, acco_config_of, check_deepspeed_compat, load_ds_config
+from ..config import (UNEVEN_STEPS, AccoConfig, acco_config_of, check_deepspeed_compat, check_lockstep,
+                      load_ds_config)
 from ..core import publish
 from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
@@ -405,6 +406,10 @@ def _refuse_dynamic_under_megatron(acco: AccoConfig, mpu, lr_scheduler) -> None:
     with ``increment=``: refuse dynamic and shared accumulation there, before any engine is built."""
     if acco.accumulation == "fixed":
         return
+    tp = getattr(mpu, "get_model_parallel_world_size", None)
+    if callable(tp) and int(tp()) > 1:  # the first reason, for any caller
+        check_lockstep(acco, f"tensor parallelism (mpu.get_model_parallel_world_size() = {int(tp())}: every forward "
+                             "and backward runs collectives over the tensor-parallel group)")
     import inspect
     step = getattr(lr_scheduler, "step", None)
     try:

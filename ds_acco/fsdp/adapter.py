@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from ..config import acco_config_of, check_schedule_compat, load_ds_config
+from ..config import acco_config_of, check_lockstep, check_schedule_compat, load_ds_config
 from ..core.driver import AccoDriver, check_same_on_all_ranks
 from ..core.rounds import RoundResult
 from ..core.schedule import AccoSchedule
@@ -103,11 +103,17 @@ class AccoFSDP:
         self._weight = 1.0
         self.loss_scaler = None
         if fp16 is not None:  # DeepSpeed's own scaler, configured by the same "fp16" block
+            from deepspeed import comm as ds_comm
             from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+            if not ds_comm.is_initialized():  # its scale changes log through deepspeed.comm.get_rank(): wrap
+                ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # torch's group, no new one
             self.loss_scaler = CreateLossScaler(torch.float16, fp16.loss_scale, fp16.loss_scale == 0,
                                                 fp16.dynamic_loss_scale_args())
         if not isinstance(sharded_params, bool):
             raise ValueError(f"sharded_params = {sharded_params!r}: must be True or False")
+        if sharded_params:
+            check_lockstep(acco, "AccoFSDP(sharded_params=True) (FSDP all-gathers every micro-batch's parameters "
+                                 "over the data-parallel mesh)")
         self.sharded_params = sharded_params
         self.buffers = self._take_over_fsdp(model, acco)
         scaler = self.loss_scaler

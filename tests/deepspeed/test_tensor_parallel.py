@@ -31,10 +31,15 @@ CASES = [
 SIGTERM_CASE = {"name": "acco-sigterm-one-tp-rank", "acco": dict(ACCO, sigterm="stop"), "optimizer": "sgd", "clip": 0.0,
                 "sigterm_at": [1, 5], "steps": 8, "gas": GAS}
 
+# Per-rank phase lengths cannot work when every forward is a tensor-parallel collective (and the
+# tensor-parallel peers sit in different data-parallel groups, which decide their phases apart)
+REFUSED = [{"name": f"{a}-refused", "acco": dict(ACCO, accumulation=a), "optimizer": "sgd", "refused": True,
+            "steps": 1, "gas": GAS} for a in ("dynamic", "shared")]
+
 
 @pytest.fixture(scope="module")
 def runs():
-    cases = [{**c, "steps": STEPS, "gas": GAS} for c in CASES] + [SIGTERM_CASE]
+    cases = [{**c, "steps": STEPS, "gas": GAS} for c in CASES] + [SIGTERM_CASE] + REFUSED
     results = run_ranks(tp_workers.train_tp_cases, world=4, timeout=scaled(240), cases=cases)
     return {c["name"]: [results[r][i] for r in range(4)] for i, c in enumerate(cases)}
 
@@ -71,3 +76,11 @@ def test_sigterm_on_one_tensor_parallel_rank_stops_every_rank_at_the_same_round(
     assert all(r["stopped"] == 143 for r in ranks), ranks
     assert len({(r["done"], r["global_steps"]) for r in ranks}) == 1, ranks  # the same micro-batch and step
     assert ranks[0]["done"] < SIGTERM_CASE["steps"] * GAS
+
+
+@pytest.mark.parametrize("accumulation", ["dynamic", "shared"])
+def test_per_rank_phase_lengths_are_refused_under_tensor_parallelism(runs, accumulation):
+    for out in runs[f"{accumulation}-refused"]:
+        msg = out.get("refused", "")
+        assert f"acco.accumulation = '{accumulation}'" in msg and "tensor parallelism" in msg, out
+        assert '"accumulation": "fixed"' in msg

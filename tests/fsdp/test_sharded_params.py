@@ -12,6 +12,8 @@ from timeouts import scaled
 import fsdp_workers
 
 STEPS, GAS = 3, 4
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 18, "loss_scale_window": 3, "hysteresis": 1,
+        "min_loss_scale": 1}
 BASE = {
     "acco-sgd": {"optimizer": "sgd", "acco": {"enabled": True, "mode": "acco"}},
     "acco-adamw-clip": {"optimizer": "adamw", "schedule": "inv", "clip": 0.05, "acco": {"enabled": True, "mode": "acco"}},
@@ -21,6 +23,13 @@ BASE = {
     "acco-adamw-eval": {"optimizer": "adamw", "keep_fc2": True, "eval_at": (5, 7),
                         "acco": {"enabled": True, "mode": "acco"}},
     "acco-adamw-bf16": {"optimizer": "adamw-fast", "mp": True, "acco": {"enabled": True, "mode": "acco"}},
+    # the estimate round in bf16: E (param_dtype) is written from a bf16-communicated estimate
+    "acco-adamw-est-bf16": {"optimizer": "adamw", "schedule": "inv", "clip": 0.05,
+                            "acco": {"enabled": True, "mode": "acco", "estimate_comm_dtype": "bf16"}},
+    # fp16 compute with DeepSpeed's dynamic loss scaler from 2^18: the first rounds overflow and skip,
+    # so E and the masters must stay put on a skipped round in both layouts
+    "acco-sgd-fp16": {"optimizer": "sgd", "mp": "fp16", "extra": {"fp16": FP16},
+                      "acco": {"enabled": True, "mode": "acco"}},
 }
 CASES = [dict(c, name=f"{n}-{layout}", sharded=layout == "sharded", steps=STEPS, gas=GAS)
          for n, c in BASE.items() for layout in ("resident", "sharded")]
@@ -54,6 +63,7 @@ def test_sharded_equals_resident_bit_for_bit(runs, name):
                 assert torch.equal(s["final"][n], r["final"][n]), (name, rank, n)
         assert s["losses"] == r["losses"], name
         assert s["global_steps"] == r["global_steps"] == STEPS
+        assert s["skipped_steps"] == r["skipped_steps"]
         # nothing unsharded resident between micro-batches (FSDP's own resharding), unlike the resident layout
         assert all(s["sharded_between"]) and not any(r["sharded_between"])
         assert all(torch.equal(s["after_close"][n], s["final"][n]) for n in s["final"])
@@ -75,6 +85,12 @@ def test_sharded_matches_reference(runs, name):
     assert err < 1e-5
 
 
+def test_sharded_fp16_skips_overflowing_rounds(runs):
+    """The fp16 case really skips (else its bit-for-bit check above proves nothing about skips)."""
+    s = runs["runs"]["acco-sgd-fp16-sharded"][0]
+    assert s["skipped_steps"] >= 1, s["skipped_steps"]
+
+
 def test_sharded_checkpoint_resume_is_exact(runs):
     fsdp_workers.assert_resumes_exactly(runs["ckpt"], SAVE_AT, TOTAL, GAS)
     assert runs["ckpt"][0]["swapped_saves"]
@@ -83,6 +99,10 @@ def test_sharded_checkpoint_resume_is_exact(runs):
 def test_sharded_params_at_the_edges(runs):
     e = runs["edges"]
     assert "RMSprop" in e["rmsprop"] and "functional step" in e["rmsprop"] and "fix:" in e["rmsprop"]
+    for accumulation in ("dynamic", "shared"):
+        msg = e[accumulation]
+        assert f"acco.accumulation = '{accumulation}'" in msg and "sharded_params=True" in msg, msg
+        assert '"accumulation": "fixed"' in msg
     assert e["on_estimate_mid_commit"] is True
     assert "model.to()" in e["to"] and "fix:" in e["to"]
     loaded = e["after_fallback_load"]
