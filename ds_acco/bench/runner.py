@@ -132,6 +132,8 @@ class ABSpec:
                 "base_config": os.path.abspath(configs.resolve(self.base_config)), "raw_out": os.path.abspath(raw_out),
                 "threads": 1,
                 "memory": self.memory,
+                # a memory run's probe (after the measured peak) feeds only its advice line: keep it short
+                **({"probe_micro_batches": 2, "probe_comm_reps": 1} if self.memory else {}),
                 "emulate": None if self.emulate_params is None else {
                     "params": int(self.emulate_params), "compute_s": self.emulate_compute_s}}
 
