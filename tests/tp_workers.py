@@ -162,16 +162,22 @@ def train_tp(case: dict):
         if case.get("refused"):
             return {"refused": str(exc)}
         raise
-    done, stopped = 0, None
+    done, stopped, losses, start = 0, None, [], 0
+    if "resume" in case:  # (dir, micro-batch): continue a saved run after that micro-batch
+        _, client = engine.load_checkpoint(case["resume"][0], tag=f"mb{case['resume'][1]}")
+        start = client["fed"]
     try:
-        for i in range(case["gas"] * case["steps"]):
+        for i in range(start, case["gas"] * case["steps"]):
             loss = engine(*batch(mpu.dp_rank, i))
+            losses.append(loss.item())
             engine.backward(loss)
             if [dist.get_rank(), i] in [list(p) for p in case.get("nan_grad_at", ())]:
                 with torch.no_grad():  # p.grad is a view of ACCO's accumulator: the round sees it
                     model.fc2_weight.grad.view(-1)[0] = float("nan")
             engine.step()
             done = i + 1
+            if "save" in case and done == case["save"][1]:  # mid-phase: a round in flight is saved
+                engine.save_checkpoint(case["save"][0], tag=f"mb{done}", client_state={"fed": done})
             if [dist.get_rank(), i] == case.get("sigterm_at"):
                 os.kill(os.getpid(), signal.SIGTERM)  # acco.sigterm 'stop': every rank stops at one round
     except SystemExit as exc:
@@ -183,8 +189,9 @@ def train_tp(case: dict):
     skipped = engine.skipped_steps
     with ds_acco.committed_weights(engine):
         final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    steps = engine.global_steps
     engine.destroy()
-    return {"final": final, "skipped_steps": skipped}
+    return {"final": final, "skipped_steps": skipped, "losses": losses, "global_steps": steps}
 
 
 def _optimizer(name: str, model):
