@@ -23,3 +23,28 @@ def variant_records(variants, spec):
     heldout = torch.randint(0, 256, (32, spec["seq_len"] + 1), generator=g)
     return [worker.run_variant(v, spec, base_cfg, train, heldout, rank, world, say=lambda msg: None)
             for v in variants]
+
+
+def probe_collective_sizes(spec):
+    """``worker.probe`` on this rank with torch.distributed's collectives recorded: the probe's
+    result and the largest tensor any collective was handed (elements)."""
+    import deepspeed
+    from ds_acco.bench import worker
+    from ds_acco.data import micro_batches
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    largest = [0]
+
+    def recording(fn):
+        def call(*tensors, **kw):
+            largest[0] = max([largest[0]] + [t.numel() for t in tensors if isinstance(t, torch.Tensor)])
+            return fn(*tensors, **kw)
+        return call
+
+    for name in ("all_reduce", "all_gather_into_tensor"):
+        setattr(dist, name, recording(getattr(dist, name)))
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 256, (64, spec["seq_len"] + 1), generator=g)
+    result = worker.probe(spec, micro_batches(rows, spec["micro_batch"], rank, world), rank, world)
+    return result, largest[0]

@@ -133,7 +133,9 @@ class ABSpec:
                 "threads": 1,
                 "memory": self.memory,
                 # a memory run's probe (after the measured peak) feeds only its advice line: keep it short
-                **({"probe_micro_batches": 2, "probe_comm_reps": 1} if self.memory else {}),
+                # and small (collectives timed on <= 16M elements, scaled to the model)
+                **({"probe_micro_batches": 2, "probe_comm_reps": 1, "probe_comm_elements": 1 << 24}
+                   if self.memory else {}),
                 "emulate": None if self.emulate_params is None else {
                     "params": int(self.emulate_params), "compute_s": self.emulate_compute_s}}
 

@@ -324,6 +324,7 @@ def _timed(fn, reps: int) -> List[float]:
 
 def probe(spec: dict, stream, rank: int, world: int) -> dict:
     """Compute-only and communication-only timings on this setup (see the module docstring)."""
+    gc.collect()  # a memory run probes after its variant: let that run's engine go first
     model = build_model(spec, rank)
     n_params = sum(p.numel() for p in model.parameters())
     slow = spec.get("slow_factor", 1.0) if rank == spec.get("slow_rank", -1) else 1.0
@@ -339,34 +340,42 @@ def probe(spec: dict, stream, rank: int, world: int) -> dict:
     model.zero_grad(set_to_none=True)
     dist.barrier()
     padded = -(-n_params // world) * world
-    flat = torch.zeros(padded, dtype=torch.float32)
-    shard = torch.zeros(padded // world, dtype=torch.float32)
+    # A memory run's probe (after its measured peak; it feeds only the advice line) times its
+    # collectives and the shard step on at most ``probe_comm_elements`` and scales the times to the
+    # model's size: model-sized buffers here would double a large model's footprint after training.
+    cap = spec.get("probe_comm_elements")
+    timed = padded if not cap else min(padded, max(world, int(cap) // world * world))
+    scale = padded / timed
+    flat = torch.zeros(timed, dtype=torch.float32)
+    shard = torch.zeros(timed // world, dtype=torch.float32)
     tiny = torch.zeros(8, dtype=torch.float32)
     reps = spec.get("probe_comm_reps", 2)
+    scaled = lambda ts: [t * scale for t in ts]  # noqa: E731
     _timed(lambda: dist.all_reduce(flat), 1)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    ar = _timed(lambda: dist.all_reduce(flat), reps)
-    ag = _timed(lambda: dist.all_gather_into_tensor(flat, shard), reps)
+    ar = scaled(_timed(lambda: dist.all_reduce(flat), reps))
+    ag = scaled(_timed(lambda: dist.all_gather_into_tensor(flat, shard), reps))
     cpu_frac = (time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
     lat = _timed(lambda: dist.all_reduce(tiny), 20)
-    half = flat[:padded // 2].clone()
-    ar_half = _timed(lambda: dist.all_reduce(half), reps)
-    p = torch.nn.Parameter(torch.zeros(padded // world))
+    half = flat[:timed // 2].clone()
+    ar_half = scaled(_timed(lambda: dist.all_reduce(half), reps))
+    p = torch.nn.Parameter(torch.zeros(timed // world))
     p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW([p], lr=1e-3)
     opt.step()
-    opt_s = _timed(opt.step, 3)
+    opt_s = scaled(_timed(opt.step, 3))
 
     def one_round():  # what an ACCO round does on gloo: in-place all-reduce, shard step, all-gather
         dist.all_reduce(flat)
         opt.step()
         dist.all_gather_into_tensor(flat, shard)
-    alone = torch.tensor([statistics.median(mb), statistics.median(ar) + statistics.median(ag)])
+    alone = torch.tensor([statistics.median(mb), (statistics.median(ar) + statistics.median(ag)) / scale])
     dist.all_reduce(alone, op=dist.ReduceOp.MAX)  # every rank must run the same number of rounds
     rounds = min(20, max(reps, math.ceil(3 * alone[0].item() / max(1e-6, alone[1].item()))))
     mb_ov, round_ov = overlapped(micro, one_round, rounds)
+    round_ov *= scale
     del flat, shard, half, p, opt, model
-    return {"n_params": n_params, "padded_params": padded, "micro_batch_s": statistics.median(mb),
+    return {"n_params": n_params, "padded_params": padded, "comm_timed_elements": timed, "micro_batch_s": statistics.median(mb),
             "micro_batch_samples_s": mb, "all_reduce_s": statistics.median(ar), "all_reduce_half_s":
             statistics.median(ar_half), "all_gather_s": statistics.median(ag), "latency_s": statistics.median(lat),
             "opt_step_s": statistics.median(opt_s), "comm_bytes": padded * 4, "comm_cpu_fraction": cpu_frac,

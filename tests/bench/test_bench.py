@@ -669,6 +669,28 @@ def test_advisor_out_of_sample_predicts_each_run_from_another_runs_probe():
     assert res["in_sample"]["n"] == 2 and res["out_of_sample"]["n"] == 2
 
 
+def test_memory_runs_probe_collectives_on_capped_buffers():
+    """A memory run probes after its measured peak, in the same processes: model-sized probe
+    buffers (all-reduce, all-gather, a shard's AdamW) would add ~2.5 model sizes per rank, which
+    killed a 350M-parameter run on 24 GiB. The runner's memory spec caps them; the probe then
+    times the capped collectives and scales the times to the model's size."""
+    import bench_workers
+    from dist import run_ranks
+
+    spec = runner.ABSpec(world=2, gas=2, steps=1, seq_len=8, micro_batch=2, n_embd=32, n_layer=1, n_head=2,
+                         variants=("stock",), memory=True).worker_spec("unused")
+    assert spec["probe_comm_elements"] == 1 << 24
+    spec["probe_comm_elements"] = 1000  # below the test model's size
+    for result, largest in run_ranks(bench_workers.probe_collective_sizes, spec=spec, timeout=scaled(60)):
+        assert result["n_params"] > 4 * 1000 and result["padded_params"] >= result["n_params"]
+        assert result["comm_timed_elements"] == 1000
+        assert largest == 1000, largest  # no collective saw a model-sized tensor
+        assert result["comm_bytes"] == result["padded_params"] * 4  # the advice is for the whole model
+    del spec["probe_comm_elements"]  # without the cap (timing runs) the probe uses the model's size
+    for result, largest in run_ranks(bench_workers.probe_collective_sizes, spec=spec, timeout=scaled(60)):
+        assert result["comm_timed_elements"] == result["padded_params"] == largest
+
+
 @pytest.mark.slow  # the runner's whole loop on 2 ranks, ~10 s
 def test_shared_variant_commits_stocks_batch_every_step_on_every_rank():
     """The A/B loop under accumulation 'shared', rank 1 3x slower (emulated): each rank computes its
