@@ -23,45 +23,4 @@ for ((r = 0; r < REPEATS; r++)); do
       || { echo "failed: see $OUT/r$r-$v.log"; exit 1; }
   done
 done
-"$PY" - "$OUT" "$REPEATS" "${VARIANTS[@]}" <<'PY'
-import glob, json, os, statistics, sys
-from ds_acco.bench.memory_model import state_bytes
-out, repeats, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-peaks, buf, n, world = {}, None, None, None
-paths = [p for r in range(repeats) for p in glob.glob(os.path.join(out, f"r{r}-*", f"mem-*-r{r}.json"))]
-for path in paths:
-    if path.endswith(".raw.json") or path.endswith(".spec.json"):
-        continue
-    s = json.load(open(path))
-    for name, v in s["variants"].items():
-        peaks.setdefault(name, []).append(v["peak_mem_delta_bytes"] / 2 ** 20)
-    buf = s["model_bytes_comm_dtype"] / 2 ** 20
-    n, world = s["n_params"], s["world"]
-
-
-def baseline(name):  # the stock run of the same framework and layout (ds_acco.bench.runner._baseline)
-    if name.startswith("fsdp_"):
-        for base in (["fsdp_stock_sharded"] if name.endswith("_sharded") else []) + ["fsdp_stock"]:
-            if base in peaks:
-                return base
-    return "stock"
-
-
-rows = [f"N = {n:,} parameters, W = {world}; one buffer B = {buf:.0f} MiB (the model in the communication dtype); "
-        f"target: ACCO <= its stock + 1.25 B = + {1.25 * buf:.0f} MiB. Formula: README \"Memory per rank\", fp32 "
-        "AdamW, model states only (ds_acco/bench/memory_model.py)", "",
-        "| variant | peak RSS Δ MiB, median (runs) | its stock | − its stock | in B | formula MiB | formula − its stock |",
-        "|---|---|---|---|---|---|---|"]
-MiB = 2 ** 20
-for name in names:
-    if name in peaks:
-        m = statistics.median(peaks[name])
-        runs = " / ".join(f"{p:.0f}" for p in sorted(peaks[name]))
-        base = baseline(name)
-        ref = statistics.median(peaks[base]) if base in peaks else float("nan")
-        f, fb = state_bytes(name, n, world) / MiB, state_bytes(base, n, world) / MiB
-        rows.append(f"| {name} | {m:.0f} ({runs}) | {base} | {m - ref:+.0f} | {(m - ref) / buf:+.2f} | {f:.0f} | {f - fb:+.0f} |")
-text = "\n".join(rows)
-print(text)
-open(os.path.join(out, "memory.md"), "w").write(text + "\n")
-PY
+"$PY" -m ds_acco.bench memory-table "$OUT"/r*-*/mem-*-r*.json --variants "${VARIANTS[@]}" --out "$OUT"

@@ -213,6 +213,21 @@ def cmd_fidelity(a) -> int:
     return 0
 
 
+def cmd_memory_table(a) -> int:
+    from ds_acco.bench import memory_model
+    summaries = _summaries(a.paths)
+    if not summaries:
+        print("no summaries found", file=sys.stderr)
+        return 1
+    text = memory_model.table(summaries, order=a.variants)
+    print(text)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "memory.md"), "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
 def cmd_advisor_check(a) -> int:
     summaries = _summaries(a.paths)
     res = advisor.out_of_sample(summaries, contention=a.contention)
@@ -294,6 +309,9 @@ def main(argv=None) -> int:
                         "the last part of each run, against stock (scripts/fidelity_long.sh)")
     fi.add_argument("--tail", type=float, default=0.3, help="the last fraction of the steps averaged (default 0.3)")
     fi.add_argument("--stem", default="fidelity", help="output file name stem")
+    mt = from_summaries("memory-table", cmd_memory_table, "peak memory per rank of ab --memory runs "
+                        "(scripts/memory_bench.sh): medians, each variant against its stock and the README formula")
+    mt.add_argument("--variants", nargs="+", default=None, help="row order (default: as found)")
     a = p.parse_args(argv)
     # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
     # (ranks killed, namespaces deleted) instead of dying or being ignored.

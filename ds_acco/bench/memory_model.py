@@ -39,11 +39,13 @@ def state_terms(variant: str, n: int, world: int, w: int = 4, a: int = 4, c: int
         if c != 4:
             t["fp32 gradient shard"] = n / world * 4
         return t
+    # Stock FSDP2 reduce-scatters the accumulated unsharded gradients layer by layer on the last
+    # micro-batch and frees each layer's as its sharded gradient appears: the N/W sharded gradient
+    # does not add to the N unsharded ones at the peak (measured: docs/bench/memory-fsdp-43m).
     if row == "fsdp_stock_resident":
-        return {"master+state": master, "unsharded parameters": n * w, "accumulated gradients": n * a,
-                "sharded gradient": n / world * 4}
+        return {"master+state": master, "unsharded parameters": n * w, "accumulated gradients": n * a}
     if row == "fsdp_stock_sharded":
-        return {"master+state": master, "accumulated gradients": n * a, "sharded gradient": n / world * 4}
+        return {"master+state": master, "accumulated gradients": n * a}
     if row == "fsdp_acco_resident":
         return {"master+state": master, "unsharded parameters": n * w, "G": n * a, "B": n * max(a, w, e)}
     return {"master+state": master, "G": n * a, "B": n * max(a, e), "E": n / world * w}  # fsdp_acco_sharded
@@ -52,3 +54,48 @@ def state_terms(variant: str, n: int, world: int, w: int = 4, a: int = 4, c: int
 def state_bytes(variant: str, n: int, world: int, **dtypes: int) -> float:
     """The sum of :func:`state_terms`."""
     return sum(state_terms(variant, n, world, **dtypes).values())
+
+
+def baseline(variant: str, measured) -> str:
+    """The stock run a variant is compared with: the same framework and layout (fsdp_*_sharded
+    with stock FSDP2 resharded where measured, other fsdp_* with stock FSDP2, the rest with stock
+    ZeRO-1), as ``ds_acco.bench.runner`` compares them."""
+    if variant.startswith("fsdp_"):
+        for base in (["fsdp_stock_sharded"] if variant.endswith("_sharded") else []) + ["fsdp_stock"]:
+            if base in measured:
+                return base
+    return "stock"
+
+
+def table(summaries, order=None) -> str:
+    """Markdown: each variant's median peak RSS Δ over the memory summaries given (``ab --memory``,
+    one variant per launch), beside its stock and the formula's prediction (:func:`state_bytes`,
+    fp32 AdamW). ``order``: the variants' row order (default: as first seen)."""
+    import statistics
+
+    MiB = 2 ** 20
+    peaks: Dict[str, list] = {}
+    setups = set()
+    for s in summaries:
+        for name, v in s["variants"].items():
+            peaks.setdefault(name, []).append(v["peak_mem_delta_bytes"] / MiB)
+        setups.add((s["n_params"], s["world"], s["model_bytes_comm_dtype"]))
+    if len(setups) != 1:
+        raise ValueError(f"memory summaries of {len(setups)} setups (n_params, world, buffer bytes): {sorted(setups)}; "
+                         "fix: one model and world size per table")
+    (n, world, buf_bytes), = setups
+    buf = buf_bytes / MiB
+    rows = [f"N = {n:,} parameters, W = {world}; one buffer B = {buf:.0f} MiB (the model in the communication "
+            f"dtype); target: ACCO <= its stock + 1.25 B = + {1.25 * buf:.0f} MiB. Formula: README \"Memory per "
+            "rank\", fp32 AdamW, model states only (ds_acco/bench/memory_model.py)", "",
+            "| variant | peak RSS Δ MiB, median (runs) | its stock | − its stock | in B | formula MiB | "
+            "formula − its stock |", "|---|---|---|---|---|---|---|"]
+    for name in [v for v in (order or peaks) if v in peaks]:
+        m = statistics.median(peaks[name])
+        runs = " / ".join(f"{p:.0f}" for p in sorted(peaks[name]))
+        base = baseline(name, peaks)
+        ref = statistics.median(peaks[base]) if base in peaks else float("nan")
+        f, fb = state_bytes(name, n, world) / MiB, state_bytes(base, n, world) / MiB
+        rows.append(f"| {name} | {m:.0f} ({runs}) | {base} | {m - ref:+.0f} | {(m - ref) / buf:+.2f} | {f:.0f} | "
+                    f"{f - fb:+.0f} |")
+    return "\n".join(rows)

@@ -812,3 +812,35 @@ def test_sharded_fsdp_variants_are_compared_with_stock_fsdp_in_the_same_layout()
     assert runner._baseline("fsdp_fixed", present) == "fsdp_stock"
     assert runner._baseline("fsdp_fixed_sharded", present - {"fsdp_stock_sharded"}) == "fsdp_stock"
     assert runner._baseline("fixed", present) == "stock"
+
+
+def test_memory_formula_extras_are_the_readme_sentences():
+    """README "Memory per rank": ACCO adds one buffer N·max(c, w, e) to ZeRO-1 (less the fp32
+    gradient shard it does not keep when c is fp32), and N·max(a, e) + N/W·w to FSDP2's own no-sync
+    accumulation with sharded parameters (B + E: 1.5 B at 2 ranks in fp32, 1.25 B at 4)."""
+    from ds_acco.bench.memory_model import state_bytes
+    n = 1_000_000
+    for world in (2, 4, 8):
+        extra = lambda v, base, **d: state_bytes(v, n, world, **d) - state_bytes(base, n, world, **d)  # noqa: E731
+        assert extra("fixed", "stock") == n * 4 - n / world * 4
+        assert extra("fixed", "stock", w=2, a=4, c=2) == n * 4 + n * 2 - n * 2  # G wider than w; B = max(c, w)
+        assert extra("fsdp_fixed", "fsdp_stock") == n * 4
+        assert extra("fsdp_fixed_sharded", "fsdp_stock_sharded") == n * 4 + n / world * 4
+    with pytest.raises(ValueError, match="'nope'.*known"):
+        state_bytes("nope", n, 2)
+
+
+def test_memory_table_compares_each_variant_with_its_own_stock():
+    from ds_acco.bench.memory_model import table
+
+    def summary(variant, mib, n=1 << 20, world=2):
+        return {"variants": {variant: {"peak_mem_delta_bytes": mib * 2 ** 20}}, "n_params": n, "world": world,
+                "model_bytes_comm_dtype": n * 4}
+    runs = [summary("stock", 10), summary("stock", 12), summary("stock", 11), summary("fixed", 14),
+            summary("fsdp_stock_sharded", 8), summary("fsdp_fixed_sharded", 15), summary("fsdp_stock", 9)]
+    rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ") for r in table(runs).splitlines() if r.startswith("| ")}
+    assert rows["stock"][1] == "11 (10 / 11 / 12)"
+    assert rows["fixed"][2:5] == ["stock", "+3", "+0.75"]  # B = 4 MiB
+    assert rows["fsdp_fixed_sharded"][2:4] == ["fsdp_stock_sharded", "+7"]
+    with pytest.raises(ValueError, match="2 setups"):
+        table(runs + [summary("fixed", 14, world=4)])
