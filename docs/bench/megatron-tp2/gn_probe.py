@@ -5,10 +5,12 @@ so prints no grad-norm column.  Usage (the script argument order of ds_acco run 
     deepspeed --num_gpus 4 --module ds_acco run /work/megatron-tp/gn_probe.py pretrain_gpt.py ARGS...
 """
 import os
-import runpy
 import sys
 
 import deepspeed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_script, beside this file
+import run_script  # noqa: E402
 
 _orig_init = deepspeed.initialize  # ds_acco's router when launched through `ds_acco run`
 
@@ -32,10 +34,4 @@ def _init(*args, **kwargs):
 
 
 deepspeed.initialize = _init
-# ds_acco run inserts the launcher's --local_rank=K right after our name: keep it, after the script.
-rest = sys.argv[1:]
-i = next(j for j, a in enumerate(rest) if a.endswith(".py"))
-script = rest[i]
-sys.argv = [script] + rest[:i] + rest[i + 1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-runpy.run_path(script, run_name="__main__")
+run_script.run()

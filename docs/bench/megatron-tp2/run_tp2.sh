@@ -10,6 +10,7 @@
 #   bash run_tp2.sh probe     # optional side run: print engine.get_global_grad_norm() per step
 #   bash run_tp2.sh control   # same runs with TP=1 on 2 ranks (DP 2), stock and ACCO
 #   bash run_tp2.sh seeds     # seeds 1235, 1236: TP=2 and TP=1, stock and ACCO (gap spread)
+#   bash run_tp2.sh memory    # peak RSS per rank, GPT 6 x 768, 3 iterations, stock/ACCO x 3 repeats rotated
 #   bash run_tp2.sh report    # parse the logs -> results.json + tables on stdout
 #   bash run_tp2.sh all       # everything above in order
 # Single runs: bash run_tp2.sh run NAME {stock|acco} [extra Megatron args...]
@@ -50,7 +51,7 @@ data() {
 ITERS=${ITERS:-40}
 model_args() {
     echo --tensor-model-parallel-size "${TP:-2}" --pipeline-model-parallel-size 1 --no-pipeline-parallel \
-         --num-layers 2 --hidden-size 128 --num-attention-heads 4 \
+         --num-layers "${LAYERS:-2}" --hidden-size "${HIDDEN:-128}" --num-attention-heads "${HEADS:-4}" \
          --seq-length 128 --max-position-embeddings 128 \
          --micro-batch-size 4 --global-batch-size 32 \
          --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 4 \
@@ -73,6 +74,8 @@ run() {
     local cfg=$HERE/configs/$kind.json
     local script=(pretrain_gpt.py)
     [ "${PROBE:-0}" = 1 ] && script=("$HERE/gn_probe.py" pretrain_gpt.py)   # optional grad-norm side probe
+    [ "${MEMPROBE:-0}" = 1 ] && script=("$HERE/mem_probe.py" pretrain_gpt.py)  # peak RSS per rank
+    export MEM_PROBE_OUT=$HERE/mem/$name
     local cmd=(deepspeed --num_gpus "${NGPU:-4}" --master_port "$PORT" --module ds_acco run "${script[@]}"
                $(model_args) --deepspeed_config "$cfg" "$@")
     echo "[$(date -u +%T)] $name: cd $MEG && ${cmd[*]}" | tee "$LOGS/$name.cmd"
@@ -124,6 +127,20 @@ seeds() {  # seed spread of the ACCO-vs-stock gap: TP=2 and TP=1 (vocab padded a
     done
 }
 
+memory() {  # peak RSS per rank (mem_probe.py), a model large enough that the states dominate: GPT 6 x 768
+            # (N = 21.6M parameters per tensor-parallel rank), 3 iterations, eval once; each variant in its
+            # own launch, 3 repeats with the order rotated; then mem_table.py (measured vs README formula)
+    local order
+    for r in 0 1 2; do
+        if [ $r = 1 ]; then order="acco stock"; else order="stock acco"; fi
+        for k in $order; do
+            rm -rf "$HERE/mem/mem_${k}_r$r"
+            MEMPROBE=1 ITERS=3 LAYERS=6 HIDDEN=768 HEADS=12 run mem_${k}_r$r $k --eval-interval 1000 --eval-iters 1
+        done
+    done
+    python "$HERE/mem_table.py" "$HERE/mem" | tee "$HERE/mem/memory.md"
+}
+
 report() {
     cd "$HERE"
     python parse_logs.py "$LOGS" results.json   # TP=2 seed 1234 table, validation, resume
@@ -139,6 +156,7 @@ case "${1:-all}" in
     compare) compare ;;
     resume) resume ;;
     report) report ;;
+    memory) memory ;;
     probe) probe ;;
     control) control ;;
     seeds) seeds ;;
