@@ -23,4 +23,6 @@ for ((r = 0; r < REPEATS; r++)); do
       || { echo "failed: see $OUT/r$r-$v.log"; exit 1; }
   done
 done
-"$PY" -m ds_acco.bench memory-table "$OUT"/r*-*/mem-*-r*.json --variants "${VARIANTS[@]}" --out "$OUT"
+runs=()  # this invocation's repeats only, not a reused OUT's older ones
+for ((r = 0; r < REPEATS; r++)); do for v in "${VARIANTS[@]}"; do runs+=("$OUT/r$r-$v/mem-$v-r$r.json"); done; done
+"$PY" -m ds_acco.bench memory-table "${runs[@]}" --variants "${VARIANTS[@]}" --out "$OUT"

@@ -312,6 +312,7 @@ def main(argv=None) -> int:
     mt = from_summaries("memory-table", cmd_memory_table, "peak memory per rank of ab --memory runs "
                         "(scripts/memory_bench.sh): medians, each variant against its stock and the README formula")
     mt.add_argument("--variants", nargs="+", default=None, help="row order (default: as found)")
+    mt.set_defaults(out=None)  # print only, unless --out names a folder for memory.md
     a = p.parse_args(argv)
     # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
     # (ranks killed, namespaces deleted) instead of dying or being ignored.

@@ -686,6 +686,18 @@ def test_memory_runs_probe_collectives_on_capped_buffers():
         assert result["comm_timed_elements"] == 1000
         assert largest == 1000, largest  # no collective saw a model-sized tensor
         assert result["comm_bytes"] == result["padded_params"] * 4  # the advice is for the whole model
+    # what it timed on the capped buffers is scaled to the model (stubbed clocks: 1 s per timed
+    # call, 2 s per overlapped round); the latency is not; the overlapped window is sized on the
+    # rounds it really runs (1 s + 1 s each against 1 s micro-batches: 2 rounds, not 1)
+    spec["probe_comm_reps"] = 1
+    for result, _ in run_ranks(bench_workers.probe_collective_sizes, spec=spec, stub_timing=True,
+                               timeout=scaled(60)):
+        scale = result["padded_params"] / 1000
+        for key in ("all_reduce_s", "all_gather_s", "all_reduce_half_s", "opt_step_s"):
+            assert result[key] == pytest.approx(scale), key
+        assert result["round_overlap_s"] == pytest.approx(2.0 * scale) and result["latency_s"] == 1.0
+        assert result["micro_batch_s"] == 1.0 and result["overlap_rounds"] == 2
+    del spec["probe_comm_reps"]
     del spec["probe_comm_elements"]  # without the cap (timing runs) the probe uses the model's size
     for result, largest in run_ranks(bench_workers.probe_collective_sizes, spec=spec, timeout=scaled(60)):
         assert result["comm_timed_elements"] == result["padded_params"] == largest

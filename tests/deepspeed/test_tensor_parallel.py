@@ -106,3 +106,7 @@ def test_checkpoint_resume_mid_phase_is_exact(runs):
         for n in full["final"]:
             assert torch.equal(resumed["final"][n], full["final"][n]), (rank, n)
         assert resumed["global_steps"] == full["global_steps"] == RESUME_CASE["steps"]
+        # and saving disturbed nothing: the saving run is the never-saving case of the same config
+        # (STEPS steps of it) micro-batch for micro-batch, past the save point
+        never_saved = runs["acco-adamw-clip"][rank]["losses"]
+        assert SAVE_AT < len(never_saved) and full["losses"][:len(never_saved)] == never_saved, rank

@@ -16,7 +16,7 @@ DP = 2  # data-parallel size of the TP 2 x DP 2 launches
 
 root = sys.argv[1] if len(sys.argv) > 1 else "mem"
 runs = {}  # variant -> [ {rank: record} per repeat ]
-for d in sorted(glob.glob(os.path.join(root, "mem_*_r*"))):
+for d in sorted(p for p in glob.glob(os.path.join(root, "mem_*_r*")) if os.path.isdir(p)):
     variant = os.path.basename(d).split("_")[1]
     recs = {}
     for p in glob.glob(os.path.join(d, "rank*.json")):

@@ -9,7 +9,9 @@ import sys
 
 def script_path():
     rest = sys.argv[1:]
-    i = next(j for j, a in enumerate(rest) if a.endswith(".py"))
+    i = next((j for j, a in enumerate(rest) if a.endswith(".py")), None)
+    if i is None:
+        raise SystemExit(f"usage: {sys.argv[0]} SCRIPT.py [ARGS...] (no .py script among {rest})")
     return rest[i], rest[:i] + rest[i + 1:]
 
 
