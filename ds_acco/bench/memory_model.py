@@ -56,22 +56,13 @@ def state_bytes(variant: str, n: int, world: int, **dtypes: int) -> float:
     return sum(state_terms(variant, n, world, **dtypes).values())
 
 
-def baseline(variant: str, measured) -> str:
-    """The stock run a variant is compared with: the same framework and layout (fsdp_*_sharded
-    with stock FSDP2 resharded where measured, other fsdp_* with stock FSDP2, the rest with stock
-    ZeRO-1), as ``ds_acco.bench.runner`` compares them."""
-    if variant.startswith("fsdp_"):
-        for base in (["fsdp_stock_sharded"] if variant.endswith("_sharded") else []) + ["fsdp_stock"]:
-            if base in measured:
-                return base
-    return "stock"
-
-
 def table(summaries, order=None) -> str:
     """Markdown: each variant's median peak RSS Δ over the memory summaries given (``ab --memory``,
     one variant per launch), beside its stock and the formula's prediction (:func:`state_bytes`,
     fp32 AdamW). ``order``: the variants' row order (default: as first seen)."""
     import statistics
+
+    from ds_acco.bench.runner import baseline  # the stock run each variant is compared with, as the A/B report does
 
     MiB = 2 ** 20
     peaks: Dict[str, list] = {}

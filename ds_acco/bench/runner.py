@@ -434,7 +434,7 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
         pred = preds.get(mode)
         variants[name] = {
             "mode": mode, "framework": "fsdp2" if is_fsdp(name) else "deepspeed",
-            "baseline": None if mode == "stock" else _baseline(name, grouped),
+            "baseline": None if mode == "stock" else baseline(name, grouped),
             "runs": len(runs), "step_s": med_step, "step_spread": _spread(steps), "tokens_per_s": _median(tps),
             "tokens_per_step": _median(tokens_per_step), "micro_batches_per_rank": mb_per_rank,
             "compute_probe_s": t_compute, "compute_in_loop_s": loop_compute, "exposed_comm_s": exp,
@@ -536,7 +536,7 @@ def run_ab(spec: ABSpec, out_dir: str, *, command: str = "", out=None) -> dict:
     return summary
 
 
-def _baseline(name: str, present) -> str:
+def baseline(name: str, present) -> str:
     """The stock variant a variant is compared with: stock FSDP2 in the same layout when it ran,
     else stock FSDP2, else stock ZeRO-1."""
     if is_fsdp(name):

@@ -375,7 +375,8 @@ def probe(spec: dict, stream, rank: int, world: int) -> dict:
     mb_ov, round_ov = overlapped(micro, one_round, rounds)
     round_ov *= scale
     del flat, shard, half, p, opt, model
-    return {"n_params": n_params, "padded_params": padded, "comm_timed_elements": timed, "micro_batch_s": statistics.median(mb),
+    return {"n_params": n_params, "padded_params": padded, "comm_timed_elements": timed,
+            "micro_batch_s": statistics.median(mb),
             "micro_batch_samples_s": mb, "all_reduce_s": statistics.median(ar), "all_reduce_half_s":
             statistics.median(ar_half), "all_gather_s": statistics.median(ag), "latency_s": statistics.median(lat),
             "opt_step_s": statistics.median(opt_s), "comm_bytes": padded * 4, "comm_cpu_fraction": cpu_frac,
