@@ -9,7 +9,7 @@
 Every check is an assertion: a failing one is named on stderr ("FAIL <name>: why") and the exit
 status is 1, after OUT/gpu_check.json holds what each part measured (rewritten after every part, so
 a run stopped at its time limit keeps the parts it finished). A part that raises fails as <part>.ran
-and the others still run. ``--cpu`` runs the parts that need no CUDA (protocol, precision, fsdp);
+and the others still run. ``--cpu`` runs the parts that need no CUDA (protocol, precision, fsdp, tp);
 trace and memory are pure functions of what they measure (analyse_trace, memory_verdict), tested on
 CPU by tests/scripts/test_gpu_check.py.
 
@@ -28,13 +28,15 @@ Assertions (name: what must hold):
 - protocol.catches_no_ready_wait: the side stream's wait on the ready event removed, the same run fails
   protocol.races and, on a device, ends off the reference (or raises)
 - protocol.catches_no_done_wait: the same with the compute stream's wait on the done event removed
-- trace.threads: a torch.profiler trace of ACCO steps (a small GPT, bf16, a _sleep per micro-batch on
-  the compute stream) has compute ops and ops launched from the lane thread (the rounds' kernels and
+- trace.threads: a torch.profiler trace of ACCO steps (a small GPT, bf16, a _sleep on the compute
+  stream at each micro-batch's start, standing for a large model's queued kernels: the round launched
+  at the previous phase end runs beside it unless something serialises them) has compute ops and ops launched from the lane thread (the rounds' kernels and
   NCCL's; at world size 1 NCCL launches no kernel: one-rank collectives are copies or no-ops)
 - trace.side_stream: no op of a round ran on a stream that compute ops ran on
 - trace.overlap: at least half of the rounds' device time (NCCL's included) overlaps compute kernels
 - trace.compute_syncs: no device, stream or event synchronisation from the compute side inside a
-  profiled micro-batch
+  profiled micro-batch, outside the model's own forward (transformers' GPT-2 reads a mask value on
+  the host there, in stock runs too: reported as model_syncs, not counted)
 - precision.fp32: DeepSpeed ACCO and DPU, fp32 AdamW with clipping and an LR schedule: within 1e-5
   of the float64 reference
 - precision.bf16: DeepSpeed ACCO in bf16 (fp32 accumulation): the committed fp32 master nearest to
@@ -48,6 +50,15 @@ Assertions (name: what must hold):
 - fsdp.bf16: AccoFSDP with bf16 compute: the committed fp32 shards nearest to ACCO's reference,
   the bf16 weights within 3e-2 of it
 - fsdp.fp16: AccoFSDP with fp16 compute and DeepSpeed's loss scaler: as precision.fp16
+- fsdp.sharded: AccoFSDP(sharded_params=True) -- parameters sharded between uses, FSDP's own
+  all-gathers (its streams, from the compute thread, on the mesh's communicator) beside the lane's
+  rounds (another communicator, another thread) -- ACCO and DPU, fp32 AdamW with clipping and an LR
+  schedule: within 1e-5 of the float64 reference
+- tp.reference: DeepSpeed ACCO with a Megatron-style ``mpu`` (tests/tp_workers.py's TPNet, its
+  tensor-parallel all-reduces on the model's communicator from the compute thread, the lane's rounds
+  and the gradient norm's model-parallel sum on the lane's) at tensor-parallel size 1: one GPU
+  cannot host two NCCL ranks, so this checks the CUDA path of the mpu code, not a cross-rank order.
+  SGD and AdamW with clipping: within 1e-5 of the float64 reference
 - memory.bound: a ~86M-parameter GPT in bf16, stock ZeRO-1 then ACCO then DPU in one process:
   each variant's peak torch.cuda.max_memory_allocated above its start <= stock's + 1.25 x the
   communication buffer's bytes (stock's buckets at HF Trainer's "auto" size, n_embd^2)
@@ -80,18 +91,20 @@ for _path in (os.path.join(ROOT, "tests"), ROOT):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-PARTS = ("protocol", "trace", "precision", "fsdp", "memory")
+PARTS = ("protocol", "trace", "precision", "fsdp", "memory", "tp")
 DEVICE_ONLY = ("trace", "memory")
 MUTATIONS = ("no-ready-wait", "no-done-wait")
 CHECKS = (
     "protocol.races", "protocol.compute_syncs", "protocol.lane_reads", "protocol.widened", "protocol.reference",
     "protocol.catches_no_ready_wait", "protocol.catches_no_done_wait",
     "trace.threads", "trace.side_stream", "trace.overlap", "trace.compute_syncs",
-    "precision.fp32", "precision.bf16", "precision.fp16", "fsdp.fp32", "fsdp.bf16", "fsdp.fp16",
+    "precision.fp32", "precision.bf16", "precision.fp16", "fsdp.fp32", "fsdp.bf16", "fsdp.fp16", "fsdp.sharded",
+    "tp.reference",
     "memory.bound", "runtime.total") + tuple(f"{part}.ran" for part in PARTS)
 TIME_LIMIT_S = 480.0
 EXACT = 1e-5  # fp32 against the float64 reference (tests/deepspeed/test_reference.py's bound)
 MICRO_BATCH = "gpu_check::micro_batch"  # the profiler label around every traced micro-batch
+MODEL = "gpu_check::model_forward"  # around the model's own forward: its host syncs are the model's
 
 
 class Checks:
@@ -305,19 +318,22 @@ def _intersection(xs: Sequence[tuple], ys: Sequence[tuple]) -> List[tuple]:
 
 def trace_tids(thread) -> set:
     """The ids a profiler trace may give ``thread`` (a started threading.Thread): its system id where
-    Kineto knows the thread, else CUPTI's own, the low 32 bits of pthread_self() (Python's ident)."""
+    Kineto knows the thread, else CUPTI's own, the low 32 bits of pthread_self() (Python's ident),
+    as unsigned, as signed, or -- seen on an H200 with torch 2.11 -- as the signed value's magnitude."""
     low = thread.ident & 0xFFFFFFFF
-    return {thread.native_id, low, low - (1 << 32) if low >= 1 << 31 else low}
+    signed = low - (1 << 32) if low >= 1 << 31 else low
+    return {thread.native_id, low, signed, abs(signed)}
 
 
-def analyse_trace(trace, lane_tids: Collection[int], marker: str = MICRO_BATCH) -> dict:
+def analyse_trace(trace, lane_tids: Collection[int], marker: str = MICRO_BATCH, model: str = MODEL) -> dict:
     """What a chrome trace of torch.profiler (its dict, or its ``traceEvents``) says about ACCO's
     rounds. Device ops (kernels, copies, memsets) are attributed to the thread that launched them
     through the launch's correlation id: the lane thread (``lane_tids``: :func:`trace_tids`)
     launches the rounds' ops, NCCL's included; every other thread (the training loop's, autograd's)
     is compute. Returns the counts, the streams of each side, the share of the rounds' device time
     that overlaps compute ops, and the host synchronisations of the compute side inside ``marker``
-    spans (one per micro-batch)."""
+    spans (one per micro-batch) -- apart from those inside ``model`` spans (the model's own forward:
+    transformers' GPT-2 reads a mask value on the host), listed as ``model_syncs``."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     lane_tids = set(lane_tids)
     launcher = {e["args"]["correlation"]: e.get("tid") for e in events
@@ -334,10 +350,14 @@ def analyse_trace(trace, lane_tids: Collection[int], marker: str = MICRO_BATCH) 
         total = _length(spans)
         return _length(_intersection(spans, busy)) / total if total > 0 else 0.0
     nccl = [e for e in rounds if "nccl" in e.get("name", "").lower()]
-    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == marker and e.get("ph") == "X"
-               and e.get("cat") != "gpu_user_annotation"]
-    syncs = [e["name"] for e in events if e.get("cat") in LAUNCHES and e.get("name") in HOST_SYNCS
-             and e.get("tid") not in lane_tids and any(a <= e["ts"] <= b for a, b in windows)]
+    def spans(name):
+        return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name and e.get("ph") == "X"
+                and e.get("cat") != "gpu_user_annotation"]
+    windows, forwards = spans(marker), spans(model)
+    inside = [e for e in events if e.get("cat") in LAUNCHES and e.get("name") in HOST_SYNCS
+              and e.get("tid") not in lane_tids and any(a <= e["ts"] <= b for a, b in windows)]
+    in_model = [any(a <= e["ts"] <= b for a, b in forwards) for e in inside]
+    syncs = [e["name"] for e, m in zip(inside, in_model) if not m]
     return {"micro_batches": len(windows), "compute_ops": len(compute), "round_ops": len(rounds),
             "nccl_kernels": len(nccl), "compute_streams": compute_streams, "round_streams": round_streams,
             "rounds_on_compute_streams": sorted({e["name"] for e in rounds
@@ -345,6 +365,7 @@ def analyse_trace(trace, lane_tids: Collection[int], marker: str = MICRO_BATCH) 
             "round_time_us": _length(_union([(e["ts"], e["ts"] + e["dur"]) for e in rounds])),
             "round_overlap": overlapped(rounds), "nccl_overlap": overlapped(nccl) if nccl else None,
             "compute_syncs_in_micro_batches": syncs,
+            "model_syncs": [e["name"] for e, m in zip(inside, in_model) if m],
             "launching_threads": sorted({str(t) for t in launcher.values()})}
 
 
@@ -400,11 +421,11 @@ def gpt_data(engine, micro_batch: int, seq: int, count: int) -> List[torch.Tenso
     return [torch.randint(0, 256, (micro_batch, seq + 1), generator=g).to(engine.device) for _ in range(count)]
 
 
-def gpt_micro_batch(engine, rows: torch.Tensor, before_step: Optional[Callable[[], None]] = None) -> None:
+def gpt_micro_batch(engine, rows: torch.Tensor, before_forward: Optional[Callable[[], None]] = None) -> None:
+    if before_forward is not None:
+        before_forward()
     loss = engine(rows)
     engine.backward(loss)
-    if before_step is not None:
-        before_step()
     engine.step()
 
 
@@ -418,11 +439,22 @@ def check_trace(checks: Checks, device: torch.device, args) -> dict:
     for rows in data[:2 * gas]:  # bootstrap, first swaps: steady state from here
         gpt_micro_batch(engine, rows, sleep)
     lane_tids = trace_tids(engine.optimizer.schedule.lane._thread)
+    span = {}
+
+    def enter(*_):  # returns None: a pre-hook's value would replace the forward's inputs
+        span["f"] = record_function(MODEL)
+        span["f"].__enter__()
+
+    def leave(*_):
+        span.pop("f").__exit__(None, None, None)
+    hooks = [engine.module.register_forward_pre_hook(enter), engine.module.register_forward_hook(leave)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for rows in data[2 * gas:]:
             with record_function(MICRO_BATCH):
                 gpt_micro_batch(engine, rows, sleep)
         torch.cuda.synchronize()  # outside the micro-batches: the analysis ignores it
+    for hook in hooks:
+        hook.remove()
     engine.destroy()
     path = os.path.join(args.out, "acco_trace.json")
     prof.export_chrome_trace(path)
@@ -451,8 +483,8 @@ def _references(case: dict, mode: Optional[str] = None):
     return reference_run(TinyNet(seed=0), batch, mode=mode, **kw)
 
 
-def _check_fp32(checks: Checks, name: str, train: Callable[[dict], dict]) -> dict:
-    errors = {mode: rel_error(train(dict(FP32_CASE, acco={"enabled": True, "mode": mode}))["final"],
+def _check_fp32(checks: Checks, name: str, train: Callable[[dict], dict], **case) -> dict:
+    errors = {mode: rel_error(train(dict(FP32_CASE, acco={"enabled": True, "mode": mode}, **case))["final"],
                               _references(FP32_CASE, mode)) for mode in ("acco", "dpu")}
     checks.expect(name, all(e < EXACT for e in errors.values()), errors,
                   f"relative error vs the float64 reference above {EXACT:g}: {errors}")
@@ -502,7 +534,27 @@ def check_fsdp(checks: Checks, device: torch.device, args) -> dict:
     _check_low_precision(checks, "fsdp.bf16", bf16, bf16_case, 3e-2)
     fp16 = fsdp_workers.fp16_run(dict(FP16_CASE, extra={"fp16": FP16}, mp="fp16"))
     _check_fp16(checks, "fsdp.fp16", fp16)
-    return {"fp32_rel_error": fp32, "fp16_param_dtype": fp16["param_dtype"], "fp16_skipped_steps": fp16["skipped_steps"]}
+    sharded = _check_fp32(checks, "fsdp.sharded", fsdp_workers.run, sharded=True)
+    return {"fp32_rel_error": fp32, "sharded_fp32_rel_error": sharded, "fp16_param_dtype": fp16["param_dtype"],
+            "fp16_skipped_steps": fp16["skipped_steps"]}
+
+
+def check_tp(checks: Checks, device: torch.device, args) -> dict:
+    """Tensor parallelism through an ``mpu`` on a one-rank tensor-parallel group (world size 1)."""
+    import tp_workers
+    from fixtures import batch
+    from reference import reference_run
+    errors = {}
+    for opt in ("sgd", "adamw"):
+        case = {"acco": {"enabled": True, "mode": "acco"}, "optimizer": opt, "clip": 0.05, "gas": 4, "steps": 3,
+                "tp": 1, "dp": 1}
+        got = tp_workers.train_tp(case)["final"]
+        want = reference_run(tp_workers.FullNet(seed=0), batch, world=1, gas=4, steps=3, mode="acco",
+                             make_optimizer=tp_workers.make_optimizer(opt), clip=0.05)
+        errors[opt] = rel_error(tp_workers.gather_full(got, [got]), want)
+    checks.expect("tp.reference", all(e < EXACT for e in errors.values()), errors,
+                  f"relative error vs the float64 reference above {EXACT:g}: {errors}")
+    return {"rel_error": errors}
 
 
 # -- 4. peak memory and step time ------------------------------------------------------------------
@@ -573,7 +625,7 @@ def check_memory(checks: Checks, device: torch.device, args) -> dict:
 
 # -- the run -----------------------------------------------------------------------------------------
 PART_CHECKS = {"protocol": check_protocol, "trace": check_trace, "precision": check_precision, "fsdp": check_fsdp,
-               "memory": check_memory}
+               "memory": check_memory, "tp": check_tp}
 
 
 def run_parts(parts: Sequence[str], device: torch.device, args, checks: Checks, out: dict,

@@ -52,7 +52,10 @@ def train_recorded(acc: RecordingAccelerator, case: dict, setup=None) -> dict:
     losses = []
     n = gas * case.get("steps", 4)
     data = [tuple(t.to(engine.device) for t in batch(rank, i)) for i in range(n)]
-    with acc.recording():
+    from deepspeed.accelerator import get_accelerator
+    # DeepSpeed's own accelerator too: its throughput timer synchronised the whole device at every
+    # forward and step (found on an H200), which on a GPU waits for the lane's side stream
+    with acc.recording(), acc.watching(get_accelerator()):
         for i, (x, y) in enumerate(data):
             acc.mark(f"start {i}")
             loss = engine(x, y)

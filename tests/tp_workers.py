@@ -18,7 +18,6 @@ import torch.distributed as dist
 from fixtures import HIDDEN, IN, OUT, batch  # noqa: F401 -- OUT for the tests
 
 TP, DP = 2, 2
-PART = HIDDEN // TP
 
 
 class FullNet(torch.nn.Module):
@@ -71,10 +70,11 @@ class TPNet(torch.nn.Module):
     """Tensor-parallel rank ``tp_rank``'s part of FullNet(seed); tensor-parallel parameters carry
     ``tensor_model_parallel = True`` (how Megatron marks them, read by DeepSpeed)."""
 
-    def __init__(self, tp_rank: int, group, seed: int = 0):
+    def __init__(self, tp_rank: int, group, seed: int = 0, tp: int = TP):
         super().__init__()
         full = FullNet(seed)
-        rows = slice(tp_rank * PART, (tp_rank + 1) * PART)
+        part = HIDDEN // tp
+        rows = slice(tp_rank * part, (tp_rank + 1) * part)
         self.group = group
         self.scale = torch.nn.Parameter(full.scale.detach().clone())  # replicated
         self.fc1_weight = torch.nn.Parameter(full.fc1.weight.detach()[rows].clone())  # column-parallel
@@ -99,16 +99,18 @@ def gather_full(params: dict, shards: list) -> dict:
 
 
 class MPU:
-    """The slice of Megatron's ``mpu`` DeepSpeed reads, over groups built on every rank in one order."""
+    """The slice of Megatron's ``mpu`` DeepSpeed reads, over groups built on every rank in one order
+    (``tp`` x ``dp`` ranks; scripts/gpu_check.py uses 1 x 1)."""
 
-    def __init__(self):
+    def __init__(self, tp: int = TP, dp: int = DP):
         rank = dist.get_rank()
-        self.tp_rank, self.dp_rank = rank % TP, rank // TP
-        for ranks in [[d * TP + t for t in range(TP)] for d in range(DP)]:  # tensor-parallel groups
+        self.tp, self.dp = tp, dp
+        self.tp_rank, self.dp_rank = rank % tp, rank // tp
+        for ranks in [[d * tp + t for t in range(tp)] for d in range(dp)]:  # tensor-parallel groups
             g = dist.new_group(ranks)
             if rank in ranks:
                 self.tp_group = g
-        for ranks in [[d * TP + t for d in range(DP)] for t in range(TP)]:  # data-parallel groups
+        for ranks in [[d * tp + t for d in range(dp)] for t in range(tp)]:  # data-parallel groups
             g = dist.new_group(ranks)
             if rank in ranks:
                 self.dp_group = g
@@ -119,7 +121,7 @@ class MPU:
     get_tensor_model_parallel_group = get_model_parallel_group
 
     def get_model_parallel_world_size(self):
-        return TP
+        return self.tp
 
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
 
@@ -138,7 +140,7 @@ class MPU:
         return self.dp_group
 
     def get_data_parallel_world_size(self):
-        return DP
+        return self.dp
 
     def get_data_parallel_rank(self):
         return self.dp_rank
@@ -151,9 +153,10 @@ def train_tp(case: dict):
 
     import ds_acco
     from fixtures import ds_config
-    deepspeed.init_distributed(dist_backend="gloo")
-    mpu = MPU()
-    model = TPNet(mpu.tp_rank, mpu.tp_group)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    mpu = MPU(case.get("tp", TP), case.get("dp", DP))
+    model = TPNet(mpu.tp_rank, mpu.tp_group, tp=mpu.tp)
     opt = _optimizer(case["optimizer"], model)
     cfg = ds_config(case["gas"], case.get("acco"), clip=case.get("clip", 0.0))
     try:
@@ -168,7 +171,7 @@ def train_tp(case: dict):
         start = client["fed"]
     try:
         for i in range(start, case["gas"] * case["steps"]):
-            loss = engine(*batch(mpu.dp_rank, i))
+            loss = engine(*(t.to(engine.device) for t in batch(mpu.dp_rank, i)))  # scripts/gpu_check.py: a GPU
             losses.append(loss.item())
             engine.backward(loss)
             if [dist.get_rank(), i] in [list(p) for p in case.get("nan_grad_at", ())]:
@@ -188,7 +191,7 @@ def train_tp(case: dict):
         return out
     skipped = engine.skipped_steps
     with ds_acco.committed_weights(engine):
-        final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        final = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
     steps = engine.global_steps
     engine.destroy()
     return {"final": final, "skipped_steps": skipped, "losses": losses, "global_steps": steps}

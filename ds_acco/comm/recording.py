@@ -173,7 +173,28 @@ class RecordingAccelerator:
     def synchronize(self, device_index: Optional[int] = None) -> None:
         self._sync(device=self._device() if device_index is None else device_index)
         if self.inner is not None:
-            self.inner.synchronize(device_index)
+            self._local.forwarding = True  # the inner accelerator may be one watching() patched
+            try:
+                self.inner.synchronize(device_index)
+            finally:
+                self._local.forwarding = False
+
+    @contextlib.contextmanager
+    def watching(self, accelerator: Any) -> Iterator[None]:
+        """Also log ``accelerator.synchronize()`` -- a device-wide synchronisation outside the lane's
+        interface, e.g. DeepSpeed's own accelerator called by its timers -- as the calling thread's
+        ``device.synchronize``: on a device it waits for the lane's side stream too."""
+        real = accelerator.synchronize
+
+        def synchronize(*args, **kwargs):
+            if self.recording_on and not getattr(self._local, "forwarding", False):
+                self._sync(what=f"device.synchronize ({type(accelerator).__name__})")
+            return real(*args, **kwargs)
+        accelerator.synchronize = synchronize  # instance attribute: every caller resolves it at call time
+        try:
+            yield
+        finally:
+            accelerator.__dict__.pop("synchronize", None)
 
     # -- recording ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -309,9 +330,10 @@ class RecordingAccelerator:
             self.log.append(Entry("wait", _thread(), stream=stream.id, event=event.id, device=stream.device_index,
                                   what="" if event.stream is None else f"recorded on {event.stream.id}"))
 
-    def _sync(self, stream: Optional[_Stream] = None, event: Optional[_Event] = None, device=None) -> None:
-        what = "stream.synchronize" if stream is not None else "event.synchronize" if event is not None else \
-            "device.synchronize"
+    def _sync(self, stream: Optional[_Stream] = None, event: Optional[_Event] = None, device=None,
+              what: str = "") -> None:
+        what = what or ("stream.synchronize" if stream is not None else "event.synchronize" if event is not None else
+                        "device.synchronize")
         with self._lock:
             self.log.append(Entry("sync", _thread(), stream=None if stream is None else stream.id,
                                   event=None if event is None else event.id, what=what, device=device))
@@ -393,7 +415,9 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
     def _note(self, func, args, kwargs, out) -> None:
-        if self.acc.inner is not None and _blocking_transfer(func, args, kwargs, out):
+        # a host read counted by _ReadRecorder (``tolist`` copies to the host inside): one read
+        if self.acc.inner is not None and not getattr(self.acc._local, "reading", False) \
+                and _blocking_transfer(func, args, kwargs, out):
             self.acc._read(f"{func} (a blocking copy between host and device)")
         schema = func._schema
         c10d = schema.name.startswith("c10d::")
@@ -464,6 +488,12 @@ class _ReadRecorder(TorchFunctionMode):
                 and not self.acc.is_host(args[0]):
             if name in HOST_READS or (name == "to" and _to_host(args[1:], kwargs)):
                 self.acc._read(name)
+                local = self.acc._local
+                outer, local.reading = getattr(local, "reading", False), True
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    local.reading = outer
         return func(*args, **kwargs)
 
 

@@ -72,6 +72,27 @@ class AccoEngine(DeepSpeedEngine):
         ignored = [k for k in _REPLACED_KNOBS if k in explicit]
         if ignored and self.global_rank == 0:
             logger.warning(f"ACCO owns gradient communication; zero_optimization keys {ignored} have no effect")
+        self._acco_unsynchronise_timers()
+
+    def _acco_unsynchronise_timers(self) -> None:
+        """DeepSpeed's throughput timer synchronises the whole device at every forward and every
+        step() by default (``timers.throughput.synchronized``): on a GPU that waits for the lane's
+        side stream, so no round would overlap compute. Under ACCO it times on the host instead,
+        unless the config asks for the synchronisation explicitly (then a warning says what it
+        costs); ``wall_clock_breakdown`` synchronises too and gets the same warning."""
+        timer_cfg = getattr(self.tput_timer, "config", None)
+        asked = self._config._param_dict.get("timers", {}).get("throughput", {}).get("synchronized")
+        costly = []
+        if timer_cfg is not None and getattr(timer_cfg, "synchronized", False):
+            if asked is None:
+                self.tput_timer.config = timer_cfg.model_copy(update={"synchronized": False})
+            else:
+                costly.append("timers.throughput.synchronized = true")
+        if self.wall_clock_breakdown():
+            costly.append("wall_clock_breakdown = true")
+        if costly and self.global_rank == 0:
+            logger.warning(f"ACCO: {' and '.join(costly)} synchronise the whole device at every micro-batch, so "
+                           "no communication round overlaps compute on a GPU; fix: remove them for training runs")
 
     # -- construction seam ----------------------------------------------------------------------
     def _configure_zero_optimizer(self, optimizer):

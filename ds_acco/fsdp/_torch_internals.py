@@ -45,8 +45,14 @@ def lazy_init(model: FSDPModule) -> None:
 
 
 def param_groups(module: FSDPModule) -> list:
-    """The module's FSDP parameter groups (each with its own all-gather)."""
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+    """The module's FSDP parameter groups (each with its own all-gather). torch 2.13 keeps a list;
+    torch <= 2.12 one optional group (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 def trainable_params(modules: List[FSDPModule]) -> List[FSDPParamView]:

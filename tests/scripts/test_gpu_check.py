@@ -123,6 +123,17 @@ def test_a_host_sync_of_the_compute_side_inside_a_micro_batch_fails():
     assert verdict(overlapped_trace().call(LANE, "cudaStreamSynchronize", 1500))[0]["trace.compute_syncs"] is True
 
 
+def test_a_host_sync_inside_the_models_own_forward_is_the_models():
+    # transformers' GPT-2 reads a mask value on the host in its forward (seen on an H200, stock too)
+    t = overlapped_trace()
+    t.events.append({"ph": "X", "cat": "user_annotation", "name": gpu_check.MODEL, "pid": 1, "tid": MAIN,
+                     "ts": 20, "dur": 60, "args": {}})
+    ok, analysis = verdict(t.call(MAIN, "cudaStreamSynchronize", 50))
+    assert ok["trace.compute_syncs"] is True and analysis["model_syncs"] == ["cudaStreamSynchronize"]
+    ok, analysis = verdict(t.call(MAIN, "cudaDeviceSynchronize", 90))  # after the forward: the engine's
+    assert ok["trace.compute_syncs"] is False and analysis["compute_syncs_in_micro_batches"] == ["cudaDeviceSynchronize"]
+
+
 def test_a_trace_without_the_lanes_launches_fails_every_check():
     ok, analysis = verdict(overlapped_trace(), lane_tids=(9999,))  # e.g. the thread id did not match
     assert analysis["round_ops"] == 0 and not any(ok.values())
@@ -131,7 +142,8 @@ def test_a_trace_without_the_lanes_launches_fails_every_check():
 def test_trace_ids_of_a_thread_cover_kinetos_and_cuptis():
     class Thread:
         native_id, ident = 123, 0x7F00_8000_0001
-    assert gpu_check.trace_tids(Thread) == {123, 0x8000_0001, 0x8000_0001 - (1 << 32)}
+    signed = 0x8000_0001 - (1 << 32)
+    assert gpu_check.trace_tids(Thread) == {123, 0x8000_0001, signed, -signed}
 
 
 # -- the memory bound ---------------------------------------------------------------------------
