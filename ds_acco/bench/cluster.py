@@ -21,6 +21,7 @@ of the same prefix (idempotent); :meth:`Cluster.teardown` always runs (context m
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -30,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, TextIO, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, TextIO, Union
 
 SUBNET_BASE = "10.250"  # private; only ever configured inside our own namespaces
 NODE_IFACE = "eth0"
@@ -244,10 +245,25 @@ class Cluster:
                 f"{self.switch}, links {shaping}, no added latency")
 
 
+@contextlib.contextmanager
+def loopback_store(world: int) -> Iterator[int]:
+    """The ranks' rendezvous store, bound on port 0 by the launching process before any rank starts
+    and held while they run (they join it as clients: :func:`loopback_env`); yields its port. A
+    port found free and bound later by rank 0 could be taken by another process in between."""
+    from torch.distributed import TCPStore
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
 def loopback_env(rank: int, world: int, port: int) -> Dict[str, str]:
-    """The environment of one rank on 127.0.0.1 (no namespaces)."""
+    """The environment of one rank on 127.0.0.1 (no namespaces), a client of the store on ``port``
+    (:func:`loopback_store`; torch's env:// init joins it as torchrun's workers join their agent's)."""
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo"}
+            "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo",
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def sweep_deepspeed_shm(port: int) -> None:

@@ -9,7 +9,6 @@ they are unit-tested without launching anything.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -147,19 +146,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _loopback_store(world: int):
-    """The ranks' rendezvous store, bound on port 0 by the runner before any rank starts and held
-    while they run (they join it as clients, see ``rank_launches``); yields its port. A port
-    found free and bound later by rank 0 could be taken by another process in between."""
-    from torch.distributed import TCPStore
-    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    try:
-        yield store.port
-    finally:
-        del store
-
-
 def _spec_path(raw_out: str) -> str:
     return os.path.splitext(os.path.abspath(raw_out))[0] + ".spec.json"
 
@@ -175,10 +161,7 @@ def rank_launches(spec: ABSpec, argv: Sequence[str], *, cl: Optional[cluster.Clu
     loopback at ``port``."""
     if cl is not None:
         return [(cl.wrap(r, argv), {**WORKER_ENV, **cl.rank_env(r, EMULATED_PORT)}) for r in range(spec.world)]
-    # torch's env:// init then connects to the runner's store as a client (as torchrun's workers do)
-    agent_store = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
-    return [(list(argv), {**WORKER_ENV, **cluster.loopback_env(r, spec.world, port), **agent_store})
-            for r in range(spec.world)]
+    return [(list(argv), {**WORKER_ENV, **cluster.loopback_env(r, spec.world, port)}) for r in range(spec.world)]
 
 
 def check_variant_config(variant: str, cfg: dict) -> None:
@@ -246,7 +229,7 @@ def launch_workers(spec: ABSpec, raw_out: str, out=None) -> dict:
         out.write(f"network: {setup}\n")
         if spec.rate:
             out.write(f"note: --rate {spec.rate} ignored on loopback (shaping needs the emulated cluster)\n")
-        with _loopback_store(spec.world) as port:
+        with cluster.loopback_store(spec.world) as port:
             cmds, envs = zip(*rank_launches(spec, argv, port=port))
             try:
                 cluster.launch(cmds, envs, timeout_s=spec.timeout_s, stream=out)

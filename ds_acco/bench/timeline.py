@@ -168,15 +168,12 @@ def main(argv=None) -> int:
                     cluster.sweep_deepspeed_shm(29500)
         else:
             where = "loopback (not root: no emulated network; little to hide on 2 cores)"
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            envs = [{**common, **cluster.loopback_env(r, 2, port)} for r in range(2)]
-            try:
-                cluster.launch([argv_w] * 2, envs, timeout_s=args.timeout)
-            finally:
-                cluster.sweep_deepspeed_shm(port)
+            with cluster.loopback_store(2) as port:
+                envs = [{**common, **cluster.loopback_env(r, 2, port)} for r in range(2)]
+                try:
+                    cluster.launch([argv_w] * 2, envs, timeout_s=args.timeout)
+                finally:
+                    cluster.sweep_deepspeed_shm(port)
         with open(spec["out"]) as f:
             traces = json.load(f)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

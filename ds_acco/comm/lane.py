@@ -214,6 +214,17 @@ class CommLane:
             if then is not None:
                 then()
             return
+        self._stopping = thread
         self._queue.put(_Stop(then))
 
+    def join_stopping(self, timeout: float) -> bool:
+        """After :meth:`stop_nowait`: wait at most ``timeout`` seconds for the worker to end (never
+        from the worker itself); whether it has ended."""
+        thread = self._stopping
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        thread.join(timeout)
+        return not thread.is_alive()
+
     stuck = False  # close() left the worker inside a round (its collectives may still use the group)
+    _stopping: Optional[threading.Thread] = None  # the worker stop_nowait() asked to end

@@ -342,6 +342,23 @@ class AccoDriver:
         """Whether :meth:`abandon` let this driver go (a finaliser ran)."""
         return self._abandoned
 
+    def finalised(self) -> None:
+        """The host (engine, FSDP adapter) was garbage-collected without ``destroy()`` / ``close()``.
+
+        Fixed phases: :meth:`abandon` -- every rank queued the same rounds, so the lane finishes
+        them on its own and releases its group; a lane still running at interpreter exit is waited
+        for then (:func:`_join_abandoned_lanes`). Phases that end on each rank's own timing
+        (dynamic, shared): a rank may hold a round no peer will launch, and only the drain protocol
+        (collective) can settle it, which a finaliser must not run. So this driver is kept until
+        the interpreter exits, when :func:`_close_at_exit` drains it as every rank does (its
+        memory is held until then). Either way no wait and no collective here."""
+        if self._abandoned:
+            return
+        if self.schedule.agrees_drains and not self.schedule.closed:
+            _KEPT_FOR_EXIT.append(self)
+            return
+        self.abandon()
+
     def abandon(self) -> None:
         """Let go without waiting, for a finaliser or the garbage collector: they may run on any
         thread at any point of another engine's life, this lane's own thread included (in the
@@ -368,6 +385,7 @@ class AccoDriver:
             pass
         finally:
             self.lane.stop_nowait(then=(lambda: _destroy_group(pg, ng)) if local else None)
+            _ABANDONED_LANES.add(self.lane)
 
     def _release_process_group(self) -> None:
         """Give the rounds' process group back (local: no collective, so it is safe from a
@@ -472,6 +490,32 @@ def _close_at_exit(ref: "weakref.ref[AccoDriver]") -> None:
     finally:
         if getattr(sys, "last_type", None) is KeyboardInterrupt:
             _rearm_sigint_exit()
+
+
+# Drivers whose host was collected while their phases may disagree across ranks: drained at exit
+# (AccoDriver.finalised). Lanes let go by abandon() that may still run a round: waited for at exit.
+_KEPT_FOR_EXIT: list = []
+_ABANDONED_LANES: "weakref.WeakSet[CommLane]" = weakref.WeakSet()
+
+
+def _join_abandoned_lanes() -> None:
+    """At interpreter exit, after every driver's own hook: wait for the lanes :meth:`AccoDriver.abandon`
+    let go to finish the rounds they still run (each bounded by its ``comm_timeout_s``).
+
+    A lane thread still inside a gloo/NCCL collective while the interpreter finalises aborts the
+    process (``terminate called without an active exception``): an engine collected by the
+    garbage collector just before a script ended -- a function returned, an allocation triggered
+    a collection -- did that now and then (2 of 88 runs). Its peers launched the same rounds, so
+    the wait ends when the slowest of them gets there, or at once when a peer's exit fails the
+    collective."""
+    import sys
+    for lane in list(_ABANDONED_LANES):
+        if not lane.join_stopping(lane.timeout_s):
+            print(f"ds_acco: at exit, a round of an engine collected without destroy() did not finish within "
+                  f"acco.comm_timeout_s = {lane.timeout_s:g} s; exiting without it", file=sys.stderr, flush=True)
+
+
+atexit.register(_join_abandoned_lanes)  # at import: it runs after every driver's own hook
 
 
 def _rearm_sigint_exit() -> None:

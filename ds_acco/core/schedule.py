@@ -238,6 +238,11 @@ class AccoSchedule(DrainAgreement, ScheduleState):
             self._phase_clock = (time.perf_counter(), self._off_clock_s)
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` or :meth:`abandon` ended this schedule (its lane is gone)."""
+        return self._closed
+
+    @property
     def round_in_flight(self) -> Optional[RoundKind]:
         """The kind of the round launched and not yet swapped in (finished or not), if any."""
         return None if self._inflight is None else self._inflight.kind

@@ -300,7 +300,7 @@ class AccoEngine(DeepSpeedEngine):
         try:
             if driver is not None:
                 if self.__dict__.get("_acco_finalising"):
-                    driver.abandon()  # no drain: see __del__
+                    driver.finalised()  # no drain: see __del__
                 else:
                     try:
                         self._acco_leave_eval_weights()

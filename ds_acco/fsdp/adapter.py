@@ -288,7 +288,7 @@ class AccoFSDP:
         # the model's hooks hold this adapter, so the model is being collected too.
         driver = self.__dict__.get("driver")
         if driver is not None:
-            driver.abandon()
+            driver.finalised()
 
 
 def _mesh_group(model: torch.nn.Module):

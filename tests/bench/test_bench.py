@@ -560,10 +560,15 @@ def test_emulated_compute_takes_wall_time_not_cpu_and_keeps_the_small_gpts_loss(
     assert model.bulk.grad is not None and model.bulk.grad.shape == model.bulk.shape  # a real, full-size gradient
     assert not model.bulk.grad.any()
     model.eval()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        model(rows)
-    assert time.perf_counter() - t0 < 0.3  # evaluation does not wait
+    from ds_acco.bench import emulation
+    waits = []
+    real_wait, emulation._wait = emulation._wait, waits.append
+    try:
+        with torch.no_grad():
+            model(rows)
+    finally:
+        emulation._wait = real_wait
+    assert waits == []  # evaluation does not wait (counted, not timed: a busy machine makes any forward slow)
 
 
 def test_emulation_is_named_in_the_spec_and_labelled_in_the_report(tmp_path):

@@ -129,7 +129,7 @@ def test_drains_at_equal_micro_batch_counts_agree(tmp_path):
     docs/ACCO.md says); drains right after a committing step() cut none (the tests above)."""
     import drain_workers
 
-    case = {"optimizer": "adamw", "acco": dict(SHARED, comm_timeout_s=20), "sleep": [0.0, 0.02]}
+    case = {"optimizer": "adamw", "acco": dict(SHARED, comm_timeout_s=scaled(20)), "sleep": [0.0, 0.02]}
     r0, r1 = run_ranks(drain_workers.drain_run, case=case, total=60, drain_every=3, save_every=9,
                        save_dir=str(tmp_path), timeout=scaled(150))
     assert [p[:2] for p in r0["points"]] == [p[:2] for p in r1["points"]] and len(r0["points"]) == 20
@@ -147,7 +147,7 @@ def test_a_loop_counting_micro_batches_per_rank_is_warned():
     more than stock's batch: rank 1 says so, naming the fix (loop on engine.global_steps)."""
     import drain_workers
 
-    case = {"optimizer": "adamw", "acco": dict(SHARED, comm_timeout_s=20), "sleep": [0.0, 0.02]}
+    case = {"optimizer": "adamw", "acco": dict(SHARED, comm_timeout_s=scaled(20)), "sleep": [0.0, 0.02]}
     r0, r1 = run_ranks(drain_workers.drain_run, case=case, total=24, drain_every=24, timeout=scaled(100))
     assert r0["warned"] == [] and len(r1["warned"]) == 1, (r0["warned"], r1["warned"])
     assert "engine.global_steps" in r1["warned"][0] and "rank 1" in r1["warned"][0]

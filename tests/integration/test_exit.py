@@ -12,7 +12,9 @@ that imported torch and DeepSpeed once, so repetitions are cheap); the cases tha
 flight run :data:`REPEATS` times: an exit race would show in some repetitions only.
 
 Mutations that fail here: no ``atexit`` hook in ``AccoDriver`` (every ACCO case that ends with a
-round in flight aborts, exit -6); no ``_rearm_sigint_exit`` (FSDP2 + Ctrl-C exits 1, not -2).
+round in flight aborts, exit -6); no ``_rearm_sigint_exit`` (FSDP2 + Ctrl-C exits 1, not -2); a
+garbage-collected dynamic-mode engine abandoned instead of drained at exit (``collected``: rank 0
+aborts, ``terminate called without an active exception``, in 5 of 6 runs).
 """
 from __future__ import annotations
 
@@ -33,14 +35,16 @@ from timeouts import scaled
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORKER = os.path.join(os.path.dirname(HERE), "launch", "exit_forker.py")
 WORLD = 2
-REPEATS = 3  # each racy case, in all (every other case runs once)
+# Each racy case, in all (every other case runs once). The stress the issue asked for runs 50:
+# ACCO_EXIT_REPEATS=50 pytest tests/integration/test_exit.py (about 20 minutes on 2 idle cores).
+REPEATS = int(os.environ.get("ACCO_EXIT_REPEATS", "3"))
 FIXED = {"enabled": True}
 DYNAMIC = {"enabled": True, "accumulation": "dynamic",
            "dynamic": {"min_micro_batches": 1, "max_micro_batches": 4, "check_every": 1}}
 # What stock gives (stock DeepSpeed ZeRO-1, plain FSDP2): a return, an exception, a
 # KeyboardInterrupt (Python kills itself with SIGINT at exit), SIGTERM's default action. Every ACCO
 # case is also compared with the stock run of its own adapter.
-_STOCK = {"return": 0, "never": 0, "raise": 1, "sigint": -2, "sigterm": -15}
+_STOCK = {"return": 0, "never": 0, "raise": 1, "sigint": -2, "sigterm": -15, "collected": 0}
 STOCK_CODE = {"deepspeed": _STOCK, "fsdp": _STOCK}
 
 
@@ -52,7 +56,7 @@ def _cases():
         for ending in ("return", "raise", "sigint"):
             cases.append((adapter, "stock", ending))
         for mode in ("fixed", "dynamic"):
-            for ending in ("return", "raise", "sigint", "never"):
+            for ending in ("return", "raise", "sigint", "never", "collected"):
                 cases.append((adapter, mode, ending))
         cases.append((adapter, "fixed", "sigterm"))
     return cases
@@ -116,7 +120,7 @@ def check(exits, stock, adapter, mode, ending, rep):
             assert "ValueError: user error after training" in log, where
         if ending == "sigint":
             assert log.count("KeyboardInterrupt") == 1, where
-        if ending in ("return", "never"):
+        if ending in ("return", "never", "collected"):
             assert "Traceback" not in log and "could not be finished" not in log, where
 
 
@@ -127,8 +131,10 @@ def test_exits_like_stock(exits, adapter, mode, ending):
 
 # An exit race shows in some repetitions only: the endings that leave a round in flight, again
 # (both adapters, both modes; FSDP2's endings besides Ctrl-C go through the same hook as DeepSpeed's).
-RACY = [c for c in CASES if c[1] != "stock" and (c[2] == "sigint" or (c[1], c[2]) == ("fixed", "return")
+RACY = [c for c in CASES if c[1] != "stock" and (c[2] in ("sigint", "collected") or (c[1], c[2]) == ("fixed", "return")
                                                  or (c[0], c[1], c[2]) == ("deepspeed", "dynamic", "return"))]
+if REPEATS > 3:  # the stress: every ending that trains, in both modes, for both adapters
+    RACY = [c for c in CASES if c[1] != "stock" and c[2] in ("return", "raise", "sigint", "collected")]
 
 
 def test_exits_like_stock_repeatedly(exits, tmp_path_factory):

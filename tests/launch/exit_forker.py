@@ -8,7 +8,9 @@ Each case runs in a child forked from this process after torch, DeepSpeed and ds
 imported (imports cost seconds; the exit path under test is the child's own interpreter
 finalisation, the same as a script's). The child's stdout/stderr go to ``OUT_DIR/<k>-<rank>.log``;
 this process prints one JSON line: every child's exit code (negative: killed by that signal).
-A case: {"adapter": "deepspeed"|"fsdp", "acco": null|{...}, "ending": ..., "port": P} (port:
+A case: {"adapter": "deepspeed"|"fsdp", "acco": null|{...}, "ending": ..., "port": P} (ending: return,
+raise, sigint, sigterm, never, or collected -- returns, then a garbage collection finalises the
+engine while a round is still in flight; port:
 a rendezvous store the test process has bound).
 """
 from __future__ import annotations
@@ -40,6 +42,10 @@ get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
 
 MICRO_BATCHES = 10  # gas 4: a round is in flight at the end (fixed: launched at micro-batch 9)
 INTERRUPT_AT = 5  # mid-phase, a round in flight
+# "collected": the script's function returns and the garbage collector finalises the engine before
+# the interpreter exits (an allocation-triggered collection does this now and then in a real script;
+# here it is forced), while rank 0's last round still waits in its collective for this slow peer.
+COLLECTED_PEER_DELAY_S = 1.5
 
 
 def run_case(case: dict, rank: int) -> None:
@@ -74,6 +80,8 @@ def run_case(case: dict, rank: int) -> None:
         if i == INTERRUPT_AT and ending in ("sigint", "sigterm"):
             os.kill(os.getpid(), signal.SIGINT if ending == "sigint" else signal.SIGTERM)
         backward(forward(i))
+        if ending == "collected" and rank == 1 and i == MICRO_BATCHES - 1:
+            time.sleep(COLLECTED_PEER_DELAY_S)  # rank 0's last round waits for this rank's in its collective
         step()
     print("trained", flush=True)
     if ending == "raise":
@@ -133,3 +141,5 @@ if __name__ == "__main__":
     child = main()
     if child is not None:  # in a forked child: the user's "script", then the interpreter's own exit
         run_case(*child)
+        if child[0]["ending"] == "collected":
+            gc.collect()  # the engine, unreachable since run_case returned, is finalised now
