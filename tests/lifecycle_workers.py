@@ -249,7 +249,8 @@ def destroy_after_failed_round(case):
     """The round in flight at ``engine.destroy()`` fails (a non-finite gradient with acco.nonfinite
     'raise'): what destroy() raised, whether DeepSpeed's own destroy() ran, and whether the
     SIGTERM handler before ACCO's is back. Also what the driver logged at construction with
-    ``one_connection_warning`` standing in for a device where CUDA_DEVICE_MAX_CONNECTIONS=1 bites."""
+    ``one_queue_serialisation`` standing in for a device with CUDA_DEVICE_MAX_CONNECTIONS=1, and
+    whether the lane then ran its rounds synchronously."""
     import logging
     import os
     import signal
@@ -269,12 +270,12 @@ def destroy_after_failed_round(case):
             logged.append((record.levelname, record.getMessage()))
     handler = Keep()
     logging.getLogger("ds_acco").addHandler(handler)
-    real_warning, driver_module.one_connection_warning = driver_module.one_connection_warning, fake_warning
+    real_warning, driver_module.one_queue_serialisation = driver_module.one_queue_serialisation, fake_warning
     before = signal.getsignal(signal.SIGTERM)
     try:
         engine = _engine_for(case)
     finally:
-        driver_module.one_connection_warning = real_warning
+        driver_module.one_queue_serialisation = real_warning
         logging.getLogger("ds_acco").removeHandler(handler)
     destroyed = []
     real_destroy = DeepSpeedEngine.destroy
@@ -292,6 +293,7 @@ def destroy_after_failed_round(case):
             engine.backward(engine(x, y))
             engine.step()
         assert engine.optimizer.schedule.round_in_flight is not None
+        lane_synchronous = engine.optimizer.driver.lane.synchronous
         try:
             engine.destroy()
             raised = None
@@ -301,4 +303,5 @@ def destroy_after_failed_round(case):
         DeepSpeedEngine.destroy = real_destroy
     return {"raised": raised, "deepspeed_destroy_ran": destroyed,
             "sigterm_restored": signal.getsignal(signal.SIGTERM) is before,
-            "warning_checked": checked, "warnings_logged": [m for lvl, m in logged if lvl == "WARNING"]}
+            "warning_checked": checked, "warnings_logged": [m for lvl, m in logged if lvl == "WARNING"],
+            "lane_synchronous": lane_synchronous}

@@ -62,19 +62,32 @@ def check_same_on_all_ranks(settings: dict, what: str, group=None) -> None:
         raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
 
 
-def one_connection_warning(device: torch.device, synchronous: bool) -> Optional[str]:
-    """The warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with asynchronous rounds on an accelerator
-    (None when it does not apply): what it costs and the fix."""
+def one_hardware_queue(device: torch.device) -> bool:
+    """Whether ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's launch scripts export it) gives this
+    accelerator one hardware queue, shared by every stream."""
     value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
-    if device.type == "cpu" or synchronous or not value.isdigit() or int(value) != 1:
+    return device.type != "cpu" and value.isdigit() and int(value) == 1
+
+
+def one_queue_serialisation(device: torch.device, synchronous: bool) -> Optional[str]:
+    """Why the rounds must run synchronously here, or None (docs/collective_order.md).
+
+    With one hardware queue, a round's collectives (the lane's communicator, launched from the
+    lane's thread) and a collective the compute side launches on another communicator while the
+    round is in flight (a tensor-parallel all-reduce, FSDP's all-gather, a loss averaged for
+    logging) sit in one FIFO in an order that differs from rank to rank; each waits at the head of
+    the queue for a kernel queued behind the other on its peer: a deadlock across ranks. Run
+    synchronously, every rank launches the rounds' collectives from the compute thread in program
+    order. The caller makes the rounds synchronous and warns with this text."""
+    if synchronous or not one_hardware_queue(device):
         return None
-    return ("ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron sets it) gives the device one hardware queue: the "
-            "communication lane's side stream and the compute stream share it, so a round's collectives run "
-            "serialised with the compute kernels and the overlap ACCO exists for is lost; and a collective the "
-            "compute thread issues on another process group while a round is in flight can queue behind the "
-            "round's kernels on one rank and ahead of them on another, a deadlock across ranks; fix: unset "
-            "CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (Megatron-DeepSpeed needs it only for --sequence-parallel; its "
-            "--deepspeed path turns off the asynchronous tensor-parallel all-reduce), or set acco.synchronous = true")
+    return ("ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's launch scripts export it) gives the device one "
+            "hardware queue: a round's collectives, launched from the communication thread, and any collective "
+            "the compute side launches on another process group meanwhile (tensor parallelism, FSDP's all-gathers, "
+            "a loss averaged for logging) would share it in an order that differs between ranks, which can "
+            "deadlock across ranks. The rounds therefore run synchronously (acco.synchronous = true): correct, "
+            "but nothing overlaps; fix: unset CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (Megatron-DeepSpeed needs "
+            "it only for --sequence-parallel)")
 
 
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
@@ -146,9 +159,11 @@ class AccoDriver:
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)
-        warning = one_connection_warning(device, config.synchronous)
-        if warning is not None and rank == 0:  # rank 0 of the data-parallel group: a mesh may exclude rank 0
-            logger.warning(warning)
+        serialised = one_queue_serialisation(device, config.synchronous)
+        if serialised is not None:
+            config = self.config = config.model_copy(update={"synchronous": True})
+            if rank == 0:  # rank 0 of the data-parallel group: a mesh may exclude rank 0
+                logger.warning(serialised)
         # The rounds' own groups: they run on the lane's thread, and gloo matches collectives by
         # issue order per group (and the compute thread's tensor-parallel collectives use mpu's).
         timeout = timedelta(seconds=config.comm_timeout_s)

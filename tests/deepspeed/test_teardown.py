@@ -1,7 +1,7 @@
 """engine.destroy() always completes DeepSpeed's own destroy(), even when ACCO's drain raises (the
 round in flight failed); the drain's error still reaches the caller. The same spawn checks that the
-driver reports its CUDA_DEVICE_MAX_CONNECTIONS check on rank 0 only (tests/core/test_driver_checks.py
-tests the check itself)."""
+driver acts on its CUDA_DEVICE_MAX_CONNECTIONS check -- synchronous rounds on every rank, the warning
+on rank 0 only (tests/core/test_driver_checks.py tests the check itself)."""
 from dist import run_ranks
 import lifecycle_workers
 
@@ -16,4 +16,5 @@ def test_destroy_runs_deepspeeds_destroy_when_the_drain_raises():
         assert r["deepspeed_destroy_ran"] == ["AccoEngine"]
         assert r["sigterm_restored"]
         assert r["warning_checked"] == [("cpu", False)]  # the driver's device and acco.synchronous
+        assert r["lane_synchronous"] is True  # serialised: the check said the rounds must not overlap
     assert r0["warnings_logged"] == ["CONNECTIONS WARNING"] and r1["warnings_logged"] == []
