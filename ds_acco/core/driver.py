@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import dataclasses
 import functools
 import json
@@ -27,7 +26,7 @@ import signal
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from .phases import FixedPhases, SharedPhases
 from .report import RoundReport
 from .rounds import RoundKind, RoundResult
 from .schedule import AccoSchedule, ScheduleOptions
+from .scheduler_undo import NotUndoable, SchedulerUndo, undoable
 from .shard_optimizer import ShardOptimizer
 
 logger = logging.getLogger("ds_acco")
@@ -253,6 +253,12 @@ class AccoDriver:
         ``step()`` (Megatron logs ``param_groups[0]['lr']``) reads stock's value."""
         self.lr.step_owed()
 
+    def caller_scheduler_step(self, scheduler, step: Callable[[], None]) -> None:
+        """``step()`` steps ``scheduler``, a scheduler the caller steps itself once per optimizer
+        step right after the ``step()`` that launched a commit (Accelerate's, the HF Trainer's):
+        taken now, undone if that commit turns out skipped, as stock never takes it then."""
+        self.lr.caller_step(scheduler, step)
+
     def end_phase(self) -> None:
         self.schedule.end_phase()
 
@@ -422,59 +428,100 @@ class _LRBookkeeping:
     after its optimizer step -- and the estimate of step t+1, launched later, reads step t+1's
     rate. Stepping at the collection instead (a phase later) would leave the learning rate that a
     caller reads after ``step()`` one step behind stock's. Whether the commit is applied is known
-    only at its collection: a skipped one (non-finite gradient) has its scheduler step cancelled if
-    still owed, else undone (the scheduler's attributes and the param groups' settings as they were
-    before it, kept from the step). A scheduler whose attributes cannot be copied is not undone
-    (a warning, once)."""
+    only at its collection, and stock never steps the scheduler for a skipped optimizer step
+    (non-finite gradient, fp16 overflow): a skipped commit has its scheduler step cancelled if
+    still owed, else undone through the scheduler's protocol (:class:`.scheduler_undo.SchedulerUndo`).
+    A step that the caller takes itself for the commit in flight (:meth:`caller_step`: Accelerate's
+    scheduler, the HF Trainer's) is undone the same way.
+
+    A scheduler without ``state_dict()`` / ``load_state_dict()``, or whose state cannot be copied,
+    cannot be undone: ACCO then steps it only once its commit is known applied, at the commit's
+    collection, before the next round is launched -- every round still uses stock's settings, but
+    the learning rate read right after ``step()`` lags one phase (one warning says so)."""
 
     def __init__(self, step: Optional[Callable[[], None]], scheduler: Callable[[], Any],
                  optimizer: Callable[[], torch.optim.Optimizer]):
         self._step, self._scheduler, self._optimizer = step, scheduler, optimizer
         self._owed = False  # a launched commit's scheduler step not yet taken
-        self._undo = None  # (scheduler attributes, param-group settings) from before the step of the commit in flight
-        self._warned = False
+        self._commit_in_flight = False  # a commit launched and not yet collected
+        self._undos: List[SchedulerUndo] = []  # the scheduler steps taken for the commit in flight, in order
+        self._deferred = False  # our scheduler has no undo: stepped at the collection of an applied commit
+        self._warned: set = set()
 
     def launched(self, kind: RoundKind) -> None:
-        if kind is RoundKind.COMMIT and self._step is not None and self._scheduler() is not None:
-            self._owed, self._undo = True, None
+        if kind is not RoundKind.COMMIT:
+            return
+        # The optimizer step of this step is taken (by the round, which may never call
+        # optimizer.step(): the functional commit). torch's schedulers warn "lr_scheduler.step()
+        # before optimizer.step()" at their first step unless the wrapper they put on
+        # optimizer.step recorded a call, so record it here as that wrapper does; a scheduler
+        # stepped before the first commit is launched still warns, as in stock.
+        self._optimizer()._opt_called = True
+        self._commit_in_flight, self._undos = True, []
+        scheduler = self._scheduler() if self._step is not None else None
+        if scheduler is None:
+            return
+        self._owed, self._deferred = True, False
+        lacks = undoable(scheduler)
+        if lacks is not None:
+            self._defer(scheduler, lacks)
 
     def step_owed(self) -> None:
-        if not self._owed:
+        """Take the scheduler step owed for the commit launched last (unless it waits for the
+        commit's collection, see the class docstring)."""
+        if not self._owed or self._deferred:
             return
         self._owed = False
-        self._undo = self._snapshot()
-        self._step()
+        scheduler = self._scheduler()
+        try:
+            self._undos.append(SchedulerUndo.around(scheduler, self._optimizer(), self._step))
+        except NotUndoable as exc:  # raised before the step: take it at the collection instead
+            self._owed = True
+            self._defer(scheduler, str(exc))
+
+    def caller_step(self, scheduler, step: Callable[[], None]) -> None:
+        """``step()`` steps ``scheduler``, which the caller steps itself once per optimizer step
+        right after the ``step()`` that launched a commit (stock skips it for a skipped step): taken
+        now, and undone if the commit in flight turns out skipped. With no commit in flight it is
+        only taken."""
+        if not self._commit_in_flight:
+            step()
+            return
+        try:
+            self._undos.append(SchedulerUndo.around(scheduler, self._optimizer(), step))
+        except NotUndoable as exc:
+            self._warn_once(scheduler, f"ACCO: the LR scheduler {type(scheduler).__name__} that the caller steps "
+                                       f"cannot be undone ({exc}): after each skipped commit (non-finite gradient, "
+                                       "fp16 overflow) its schedule runs one step ahead of stock's; fix: give it "
+                                       "state_dict() and load_state_dict()")
+            step()
 
     def collected(self, skipped: bool) -> None:
         """The commit launched last was collected: ``skipped`` or applied."""
-        undo, self._undo = self._undo, None
-        if not skipped:
-            return
-        if self._owed:
-            self._owed = False  # never taken: nothing to undo
-            return
-        if undo is None:
-            if self._step is not None and not self._warned:
-                self._warned = True
-                logger.warning("ACCO: a skipped commit's LR scheduler step could not be undone (its attributes "
-                               "could not be copied); the schedule runs one step ahead from here")
-            return
-        attrs, settings = undo
-        scheduler = self._scheduler()
-        vars(scheduler).update(attrs)
-        for group, values in zip(self._optimizer().param_groups, settings):
-            group.update(values)
+        undos, self._undos, self._commit_in_flight = self._undos, [], False
+        if skipped:
+            self._owed = False  # a step still owed is never taken
+            optimizer = self._optimizer()
+            for undo in reversed(undos):
+                undo.revert(optimizer)
+        elif self._owed and self._deferred:
+            self._owed = False
+            self._step()
 
-    def _snapshot(self):
-        scheduler = self._scheduler()
-        if scheduler is None:
-            return None
-        try:
-            attrs = {k: copy.deepcopy(v) for k, v in vars(scheduler).items() if k != "optimizer"}
-        except Exception:  # noqa: BLE001 -- no undo for this scheduler (warned if a skip needs it)
-            return None
-        from .functional_step import capture_settings
-        return attrs, capture_settings(self._optimizer())
+    def _defer(self, scheduler, why: str) -> None:
+        self._deferred = True
+        self._warn_once(scheduler, f"ACCO: the LR scheduler {type(scheduler).__name__} cannot be undone ({why}), so "
+                                   "ACCO steps it only once a commit is known applied, at the commit's collection "
+                                   "(a phase after stock steps it): every round uses stock's learning rate, but the "
+                                   "rate read right after step() lags one step behind stock's; fix: give the "
+                                   "scheduler state_dict() and load_state_dict()")
+
+    def _warn_once(self, scheduler, message: str) -> None:
+        if id(scheduler) in self._warned:
+            return
+        self._warned.add(id(scheduler))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning(message)
 
 
 def _close_at_exit(ref: "weakref.ref[AccoDriver]") -> None:
