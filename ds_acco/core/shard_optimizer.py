@@ -14,6 +14,14 @@ per-parameter state and the param-group settings bit for bit as they were, in on
 
 The commit of torch SGD/Adam/AdamW (fused or not) is functional too (in place, bit-identical to
 ``optimizer.step()``: :func:`.functional_step.commit_in_place`); other optimizers take their step.
+
+A round uses the settings captured at its launch, while a scheduler on the compute thread may
+write the param groups as it runs. The functional steps only read those settings. A real step reads
+the param groups: for the classes an adapter registers with :func:`register_step_on_round_groups`
+(DeepSpeed's Adams) it runs on a view of the optimizer whose groups are the round's own copies
+(:class:`RoundView`), so the groups the scheduler writes are never read nor written on the lane;
+any other optimizer gets the settings written into its groups for the step's duration
+(:func:`applied_settings`).
 """
 from __future__ import annotations
 
@@ -28,6 +36,37 @@ from . import chunking, functional_step
 _GROUP_PARAMS = "params"
 _MISSING = object()
 T = TypeVar("T")
+_ROUND_GROUP_STEPS: set = set()
+
+
+def register_step_on_round_groups(cls: type) -> None:
+    """Instances of exactly ``cls`` take their real step on a :class:`RoundView`: ``cls.step()``
+    must read its settings from ``self.param_groups`` alone (and may add keys to a group, e.g.
+    FusedAdam's ``step``: a commit copies what its step wrote into a group back). Idempotent."""
+    _ROUND_GROUP_STEPS.add(cls)
+
+
+class RoundView:
+    """``optimizer`` as one round's real step sees it: ``param_groups`` are the round's own copies
+    (its captured settings, :func:`.functional_step.step_groups`), every other attribute is the
+    optimizer's own (its state, a C++ optimizer's handle). The step then never reads or writes the
+    groups that a scheduler on the compute thread writes meanwhile."""
+
+    __slots__ = ("_optimizer", "param_groups")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: List[dict]):
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "param_groups", groups)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_optimizer"), name)
+
+    def __setattr__(self, name, value):
+        setattr(object.__getattribute__(self, "_optimizer"), name, value)
+
+    @property
+    def __class__(self):  # the optimizer's own, for torch's step hooks and profiler label
+        return type(object.__getattribute__(self, "_optimizer"))
 
 
 class ShardOptimizer:
@@ -58,6 +97,11 @@ class ShardOptimizer:
         without step hooks; checked per call) rather than through ``optimizer.step()``."""
         return functional_step.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
 
+    @property
+    def steps_on_round_groups(self) -> bool:
+        """Whether the real step runs on a :class:`RoundView` (see :func:`register_step_on_round_groups`)."""
+        return type(self.optimizer) in _ROUND_GROUP_STEPS
+
     def settings(self) -> List[dict]:
         """The param groups' settings now, for a round launched now (:func:`.functional_step.capture_settings`)."""
         return functional_step.capture_settings(self.optimizer)
@@ -75,12 +119,17 @@ class ShardOptimizer:
         ``settings``: the param groups' settings the step uses (:meth:`settings`, captured when the
         round was launched; default: the current ones). ``lr_scale``: the step uses each group's
         learning rate × this (dynamic mode's ``lr_scaling``). The functional step reads both
-        without writing the param groups; a real step needs them written there for its duration
-        (:func:`applied_settings`)."""
+        without writing the param groups, and so does a step on the round's groups (DeepSpeed's
+        Adams: :attr:`steps_on_round_groups`); any other real step needs them written there for its
+        duration (:func:`applied_settings`)."""
         if len(grads) != len(self.masters):
             raise ValueError(f"expected {len(self.masters)} gradients, got {len(grads)}")
         if self.functional_commit:
             functional_step.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale, settings)
+        elif self.steps_on_round_groups:
+            written = self._step(grads, functional_step.step_groups(self.optimizer, settings, lr_scale))
+            for group, keys in zip(self.optimizer.param_groups, written):
+                group.update(keys)  # what the step itself keeps in a group (FusedAdam's 'step')
         else:
             with applied_settings(self.optimizer, settings, lr_scale):
                 self._step(grads)
@@ -111,32 +160,45 @@ class ShardOptimizer:
                         raise ValueError(f"output has {dst.numel()} elements, shard {src.numel()}")
                     dst.view(-1).copy_(src.reshape(-1))
 
+        if self.steps_on_round_groups:
+            self.estimate(grads, copy_out, functional_step.step_groups(self.optimizer, settings, lr_scale))
+            return
         with applied_settings(self.optimizer, settings, lr_scale):
             self.estimate(grads, copy_out)
 
-    def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T]) -> T:
+    def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T],
+                 groups: Optional[List[dict]] = None) -> T:
         """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly.
 
         The snapshot path, for any optimizer: while it runs, a clone of every master shard and
-        of every optimizer-state tensor is held (see the module docstring)."""
-        saved = self._snapshot()
+        of every optimizer-state tensor is held (see the module docstring). ``groups``: the step
+        runs on these copies of the param groups (a :class:`RoundView`; what it writes there is
+        dropped), and the optimizer's own groups are neither read nor restored."""
+        saved = self._snapshot(groups is None)
         try:
-            self._step(grads)
+            self._step(grads, groups)
             return read()
         finally:
             self._restore(saved)
 
-    def _step(self, grads: Sequence[torch.Tensor]) -> None:
+    def _step(self, grads: Sequence[torch.Tensor], groups: Optional[List[dict]] = None) -> List[dict]:
+        """One real step with ``grads``; with ``groups``, on a :class:`RoundView` of them: returns,
+        per group, the keys the step wrote into its copy (empty without ``groups``)."""
         for m, g in zip(self.masters, grads):
             m.grad = g
         try:
-            self.optimizer.step()
+            if groups is None:
+                self.optimizer.step()
+                return []
+            before = [dict(g) for g in groups]
+            type(self.optimizer).step(RoundView(self.optimizer, groups))
+            return [{k: v for k, v in g.items() if b.get(k, _MISSING) is not v} for g, b in zip(groups, before)]
         finally:
             for m in self.masters:
                 m.grad = None
 
     # -- snapshot / restore of everything a step may change ------------------------------
-    def _snapshot(self):
+    def _snapshot(self, with_groups: bool = True):
         state = {}
         for m in self.masters:
             entries = self.optimizer.state.get(m)
@@ -147,7 +209,8 @@ class ShardOptimizer:
         # (value, copy): a value the step did not replace is left as it is on restore, so a
         # setting written meanwhile from another thread is not reverted.
         groups = [{k: (v, v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
-                   for k, v in g.items() if k != _GROUP_PARAMS} for g in self.optimizer.param_groups]
+                   for k, v in g.items() if k != _GROUP_PARAMS} for g in self.optimizer.param_groups
+                  ] if with_groups else None
         masters = [m.detach().clone() for m in self.masters]
         return state, groups, masters
 
@@ -171,7 +234,7 @@ class ShardOptimizer:
                 else:
                     restored[k] = value
             self.optimizer.state[m] = restored
-        for g, values in zip(self.optimizer.param_groups, groups):
+        for g, values in zip(self.optimizer.param_groups, groups or ()):
             for k in [k for k in g if k != _GROUP_PARAMS and k not in values]:
                 del g[k]
             for k, (orig, value) in values.items():

@@ -9,13 +9,13 @@ low bits of θ̃ and fails these tests.
 import copy
 import functools
 import importlib
-import os
 import warnings
 
 import pytest
 import torch
 
 from alloc_counter import AllocCounter
+from ds_ops import op_unavailable
 from ds_acco.core import functional_step
 from ds_acco.core.shard_optimizer import ShardOptimizer, global_norm_sq
 
@@ -329,17 +329,11 @@ def _cpu_adam_class():
         import ds_acco.deepspeed.functional  # noqa: F401 -- the DeepSpeed adapter registers its Adams' estimates
     except Exception as e:  # pragma: no cover
         pytest.skip(f"DeepSpeed unavailable: {e}")
-    builder = CPUAdamBuilder()
-    if not builder.is_compatible():
-        pytest.skip("DeepSpeed's cpu_adam op is not compatible with this machine")
-    from torch.utils.cpp_extension import _get_build_directory
-    installed = importlib.import_module("deepspeed.git_version_info").installed_ops.get(builder.name, False)
-    built = os.path.exists(os.path.join(_get_build_directory(builder.name, verbose=False), builder.name + ".so"))
-    if not (installed or built or os.environ.get("DS_ACCO_BUILD_CPU_ADAM") == "1"):
-        pytest.skip("DeepSpeed's cpu_adam op is not built (its JIT build takes minutes); "
-                    "run once with DS_ACCO_BUILD_CPU_ADAM=1 to build it into TORCH_EXTENSIONS_DIR")
+    reason = op_unavailable("CPUAdamBuilder")
+    if reason is not None:
+        pytest.skip(reason)
     if not functional_step.supports(DeepSpeedCPUAdam([torch.zeros(1, requires_grad=True)])):
-        pytest.skip(f"cpu_adam built for {builder.simd_width()}: kernel not reproduced (AVX2/AVX-512 only)")
+        pytest.skip(f"cpu_adam built for {CPUAdamBuilder().simd_width()}: kernel not reproduced (AVX2/AVX-512 only)")
     return DeepSpeedCPUAdam
 
 

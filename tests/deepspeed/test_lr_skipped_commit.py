@@ -20,7 +20,6 @@ fp32 runs (ACCO's ``nonfinite: "skip"``, its default; stock fp32 has no skip to 
 are compared with a fresh scheduler stepped on the applied steps.
 """
 import pytest
-import torch
 
 from dist import run_ranks
 from fixtures import TinyNet, make_optimizer
