@@ -32,6 +32,14 @@ Exact scope (everything this module changes, and only while installed):
    * ``transformers.Trainer.evaluation_loop`` and ``transformers.Trainer.save_model`` run inside
      :func:`ds_acco.committed_weights`: at the Trainer's step boundaries ACCO's live weights are the
      estimate θ̃, which must be neither evaluated nor exported.
+   * ``transformers.Trainer._maybe_log_save_evaluate``: on a step the Trainer logs, the commit of
+     that step is waited for first, and the ``grad_norm`` logged is that step's own, as stock
+     logs it (the Trainer reads it right after the ``step()`` that launched the commit, when ACCO
+     only knows the previous step's; on the first step, none).
+   * ``accelerate.scheduler.AcceleratedScheduler.step`` (the scheduler Accelerate and the HF
+     Trainer step after each optimizer step): its step is taken as before and undone if the commit
+     it follows turns out skipped (non-finite gradient, fp16 overflow), as stock skips it then
+     (``step_was_skipped``); see ``AccoDriver.caller_scheduler_step``.
 3. ``deepspeed.runtime.engine.DeepSpeedEngine.__init__`` runs unchanged, then warns on rank 0 (DeepSpeed's
    logger) when it built a stock engine from a config whose ``"acco"`` block is enabled: an
    ``initialize`` looked up before ``install()``, or an engine constructed directly, would otherwise
@@ -145,17 +153,23 @@ def _is_acco_engine(engine) -> bool:
 
 
 def _patch_frameworks() -> None:
-    """Adapt Accelerate's engine wrapper and HF Trainer, if imported (idempotent)."""
+    """Adapt Accelerate's engine wrapper and scheduler, and HF Trainer, if imported (idempotent)."""
     acc = sys.modules.get("accelerate.utils.deepspeed")
     wrapper = getattr(acc, "DeepSpeedEngineWrapper", None)
     if wrapper is not None and not _is_patched(wrapper, "backward"):
         _patch(wrapper, "backward", _accelerate_backward(wrapper.backward))
+    scheduler = getattr(sys.modules.get("accelerate.scheduler"), "AcceleratedScheduler", None)
+    if scheduler is not None and not _is_patched(scheduler, "step"):
+        _patch(scheduler, "step", _undone_if_commit_skipped(scheduler.step))
     trainer_mod = sys.modules.get("transformers.trainer")
     trainer = getattr(trainer_mod, "Trainer", None)
     if trainer is not None:
         for name in ("evaluation_loop", "save_model"):
             if hasattr(trainer, name) and not _is_patched(trainer, name):
                 _patch(trainer, name, _on_committed_weights(getattr(trainer, name)))
+        name = "_maybe_log_save_evaluate"
+        if hasattr(trainer, name) and not _is_patched(trainer, name):
+            _patch(trainer, name, _logs_the_steps_own_grad_norm(getattr(trainer, name)))
 
 
 def _under_accelerate_refusal(accumulation: str) -> str:
@@ -207,6 +221,62 @@ def _on_committed_weights(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
 
     return method
+
+
+def _acco_driver_of(optimizers):
+    """The ACCO driver behind Accelerate's optimizer wrappers (``DeepSpeedOptimizerWrapper.optimizer``
+    is the engine's optimizer), or None."""
+    mod = sys.modules.get("ds_acco.deepspeed.optimizer")
+    for opt in optimizers if mod is not None else ():
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, mod.AccoZeroOptimizer):
+            return inner.driver
+    return None
+
+
+def _undone_if_commit_skipped(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def step(self, *args, **kwargs):
+        driver = _acco_driver_of(getattr(self, "optimizers", ()))
+        if driver is None or not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+            return original(self, *args, **kwargs)  # not a step that stock takes only after an applied one
+        driver.caller_scheduler_step(self.scheduler, lambda: original(self, *args, **kwargs))
+
+    return step
+
+
+def _logs_the_steps_own_grad_norm(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        engine = getattr(self, "model_wrapped", None)
+        if (_is_acco_engine(engine) and self.control.should_log
+                and self.state.global_step > getattr(self, "_globalstep_last_logged", -1)):
+            # Every rank logs at the same steps (fixed accumulation only, under the Trainer): the drain
+            # waits for the commit launched by this step's last step(), and books its norm.
+            _warn_logging_cost(engine, self.args.logging_steps)
+            engine.optimizer.drain()
+            bound = signature.bind(self, *args, **kwargs)
+            bound.arguments["grad_norm"] = engine.get_global_grad_norm()
+            return original(*bound.args, **bound.kwargs)
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+def _warn_logging_cost(engine, logging_steps) -> None:
+    if getattr(engine, "_acco_warned_logging", False):
+        return
+    engine._acco_warned_logging = True
+    every = int(logging_steps) if isinstance(logging_steps, int) else 0
+    if 0 < every < 20 and getattr(engine, "global_rank", 0) == 0:
+        from deepspeed.utils import logger
+
+        logger.warning(f"ds_acco: the HF Trainer logs every {every} steps (logging_steps); each log waits for that "
+                       "step's commit round so that the logged grad_norm is the step's own, as stock logs it: "
+                       f"{1 / (2 * every):.0%} of ACCO's communication rounds then do not overlap compute; fix: a "
+                       "larger logging_steps (e.g. 50) for throughput runs")
 
 
 # -- stock engines built from an ACCO config ------------------------------------------------------

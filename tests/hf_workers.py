@@ -49,7 +49,8 @@ def _committed(engine):
 
 # -- Accelerate ---------------------------------------------------------------------------------
 def accelerate_run(case: dict) -> dict:
-    """``case``: acco (dict of "acco" keys, or None for stock), gas, steps, gated."""
+    """``case``: acco (dict of "acco" keys, or None for stock), gas, steps, gated, nan_at ((rank,
+    micro-batch) pairs whose input gets a NaN: a non-finite gradient, the step is skipped)."""
     import ds_acco
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -78,12 +79,18 @@ def accelerate_run(case: dict) -> dict:
         return {"error": None}
     engine, opt, sched = accelerator.prepare(model, opt, sched)
     log = _gate(engine, case)
+    from lr_workers import record_used
+    used = record_used(engine, engine.optimizer.optimizer) if hasattr(engine.optimizer, "driver") else None
     losses, lrs = [], []
     for i in range(gas * steps):
         if log is not None:
             log.before_micro_batch(i)
         with accelerator.accumulate(engine):
-            loss = engine(*batch(rank, i))
+            x, y = batch(rank, i)
+            if [rank, i] in [list(p) for p in case.get("nan_at", ())]:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            loss = engine(x, y)
             losses.append(float(loss.detach()))
             accelerator.backward(loss)
             opt.step()
@@ -96,7 +103,8 @@ def accelerate_run(case: dict) -> dict:
     if log is not None:
         log.end_of_data()
     out = {"final": _committed(engine), "losses": losses, "lrs": lrs, "engine": type(engine).__name__,
-           "num_processes": accelerator.num_processes}
+           "num_processes": accelerator.num_processes, "used": used, "skipped_steps": engine.skipped_steps,
+           "final_lr": [g["lr"] for g in engine.optimizer.param_groups]}
     engine.destroy()
     return out
 
@@ -196,7 +204,9 @@ def trainer_run(case: dict) -> dict:
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "grad_norms": [h.get("grad_norm") for h in trainer.state.log_history if "loss" in h],
            "lrs": [h.get("learning_rate") for h in trainer.state.log_history if "loss" in h],
-           "global_step": trainer.state.global_step}
+           "global_step": trainer.state.global_step,
+           # ACCO: each committed step's own norm (its round computed it), oldest first
+           "commit_grad_norms": [m["grad_norm"] for m in getattr(engine, "acco_metrics_history", [])]}
     if hasattr(engine, "destroy"):
         engine.destroy()
     return out

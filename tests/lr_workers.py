@@ -35,7 +35,7 @@ def _engine(case):
     return engine, opt
 
 
-def _record_used(engine, basic):
+def record_used(engine, basic):
     """The settings each optimizer step used: stock, those in the param groups when the wrapped
     optimizer's step runs (never for a skipped step); ACCO, those each round captured at its launch,
     with the round's kind, step and whether it was skipped (filled in when it is collected)."""
@@ -76,7 +76,7 @@ def train_lr(case: dict) -> dict:
         warnings.simplefilter("always")
         engine, basic = _engine(case)
         rank = dist.get_rank()  # (initialised by the engine)
-        used = _record_used(engine, basic)
+        used = record_used(engine, basic)
         read = []
         if case.get("scheduler_step_first"):  # a real ordering mistake: torch warns in stock
             engine.lr_scheduler.step()

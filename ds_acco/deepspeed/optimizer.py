@@ -177,7 +177,14 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
     # -- the phase boundary -------------------------------------------------------------------
     def step(self, closure=None):
-        """End the current phase (called by the engine at every ACCO phase boundary)."""
+        """End the current phase (called by the engine at every ACCO phase boundary).
+
+        ``overflow`` (DeepSpeed's "the step just taken was skipped") stays False: the commit this
+        launches is known skipped only at its collection, a phase later, and Accelerate and the HF
+        Trainer read the flag right after ``step()`` to skip *this* step's scheduler step. A commit
+        collected here is an earlier step's: its skip must not cancel this step's scheduler step
+        (DPU collects one commit and launches the next in the same call). ACCO undoes a skipped
+        commit's scheduler steps itself (``AccoDriver.caller_scheduler_step``)."""
         self.overflow = False
         self.driver.end_phase()
 
@@ -190,7 +197,6 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def _after_commit(self, result, record) -> None:
         self._global_grad_norm = result.grad_norm
-        self.overflow = result.skipped
         self._engine_after_commit(result, record)
 
     def drain(self):

@@ -142,20 +142,23 @@ def test_concurrent_installs_patch_once(fake):
 
 def test_framework_adapters_patch_and_restore(fake):
     accelerate_ds = pytest.importorskip("accelerate.utils.deepspeed")
+    from accelerate.scheduler import AcceleratedScheduler
     from transformers.trainer import Trainer
 
-    originals = (accelerate_ds.DeepSpeedEngineWrapper.__dict__["backward"], Trainer.__dict__["evaluation_loop"],
-                 Trainer.__dict__["save_model"])
+    names = [(accelerate_ds.DeepSpeedEngineWrapper, "backward"), (AcceleratedScheduler, "step"),
+             (Trainer, "evaluation_loop"), (Trainer, "save_model"), (Trainer, "_maybe_log_save_evaluate")]
+
+    def current():
+        return tuple(owner.__dict__[name] for owner, name in names)
+
+    originals = current()
     install()  # both modules are imported: patched now
-    patched = (accelerate_ds.DeepSpeedEngineWrapper.__dict__["backward"], Trainer.__dict__["evaluation_loop"],
-               Trainer.__dict__["save_model"])
+    patched = current()
     assert all(p is not o and p.__wrapped__ is o for p, o in zip(patched, originals))
     install()
-    assert (accelerate_ds.DeepSpeedEngineWrapper.__dict__["backward"], Trainer.__dict__["evaluation_loop"],
-            Trainer.__dict__["save_model"]) == patched
+    assert current() == patched
     uninstall()
-    assert (accelerate_ds.DeepSpeedEngineWrapper.__dict__["backward"], Trainer.__dict__["evaluation_loop"],
-            Trainer.__dict__["save_model"]) == originals
+    assert current() == originals
 
 
 class _Engine:

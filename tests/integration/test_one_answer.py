@@ -172,6 +172,23 @@ def test_trainer_async_equals_sync_and_is_reproducible(trainer_runs):
 
 
 @pytest.mark.slow
+def test_trainer_logs_each_steps_own_grad_norm(trainer_runs):
+    """The Trainer reads ``grad_norm`` right after the ``step()`` that launched the step's commit;
+    on the steps it logs, ACCO first waits for that commit, so the logged norm is the step's own,
+    as stock logs it -- not the previous step's, and not None at step 1 (no commit collected yet).
+    Step 1's gradient is stock's own (both halves computed at θ_0): its norm equals stock's to
+    float32 precision."""
+    for rank_runs in trainer_runs:
+        stock = rank_runs["stock"]
+        assert len(stock["grad_norms"]) == STEPS and None not in stock["grad_norms"]
+        for name in ("sync", "async", "async-again"):
+            run = rank_runs[name]
+            assert run["grad_norms"] == run["commit_grad_norms"], name  # each step its own commit's
+            assert run["grad_norms"][0] == pytest.approx(stock["grad_norms"][0], rel=1e-5, abs=0), name
+            assert run["grad_norms"][1] != pytest.approx(run["grad_norms"][0], rel=1e-3)  # the steps differ
+
+
+@pytest.mark.slow
 def test_trainer_resume_is_bit_identical(trainer_runs):
     for rank_runs in trainer_runs:
         resumed, whole = rank_runs["async-resumed"], rank_runs["async"]
@@ -179,6 +196,6 @@ def test_trainer_resume_is_bit_identical(trainer_runs):
         assert _equal(resumed["final"], whole["final"])
         # log_history comes back from the checkpoint: the whole list must match, steps 3-4 included
         assert resumed["losses"] == whole["losses"]
-        # the first step after the resume logs the grad norm the checkpoint holds (the last commit's)
+        # each logged step's own norm, the first step after the resume included
         assert resumed["grad_norms"] == whole["grad_norms"], (resumed["grad_norms"], whole["grad_norms"])
     assert rel_distance(trainer_runs[0]["async"]["final"], trainer_runs[0]["stock"]["final"]) > 1e-4
