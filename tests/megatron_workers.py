@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import ds_acco
 from fixtures import TinyNet, batch, ds_config, make_optimizer
+from schedulers import settings
 
 INCREMENT = 32  # Megatron: num_microbatches * micro_batch_size * data_parallel_size
 
@@ -45,16 +46,23 @@ def _committed(engine):
 
 
 def megatron_run(case: dict):
-    """``case``: mode, gas, iters, protocol ('megatron' or 'per_mb'), nan_at [(rank, i)], evaluate."""
+    """``case``: mode, gas, iters, protocol ('megatron' or 'per_mb'), nan_at [(rank, i)], evaluate,
+    scheduler ('megatron-like': tests/schedulers.py's stand-in for Megatron's own; default IncrementLR)."""
     rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
     gas, iters = case["gas"], case["iters"]
     if case.get("evaluate"):
         ds_acco.install()  # Megatron's evaluate() then runs on committed weights
     model = TinyNet(seed=0)
     opt = make_optimizer("adamw")(model)
-    sched = IncrementLR(opt)
+    if case.get("scheduler") == "megatron-like":
+        from schedulers import MegatronLikeScheduler
+        sched = MegatronLikeScheduler(opt)
+    else:
+        sched = IncrementLR(opt)
     acco = None if case["mode"] == "stock" else {"enabled": True, "mode": case["mode"]}
     engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(gas, acco))
+    from lr_workers import record_used
+    used = record_used(engine, opt)
     nan_at = [tuple(p) for p in case.get("nan_at", ())]
     counter = iter(range(10**9))
 
@@ -66,7 +74,7 @@ def megatron_run(case: dict):
             x[0, 0] = float("nan")
         return engine(x, y)
 
-    applied, steps, skipped, lrs, evals, logged_lrs = [], [], [], [], [], []
+    applied, steps, skipped, lrs, evals, logged_lrs, logged = [], [], [], [], [], [], []
     for it in range(iters):
         if case["protocol"] == "megatron":
             engine.set_gradient_accumulation_boundary(False)
@@ -84,11 +92,14 @@ def megatron_run(case: dict):
         skipped.append(engine.skipped_steps)
         lrs.append(engine.get_lr()[0])
         logged_lrs.append(engine.optimizer.param_groups[0]["lr"])  # what Megatron logs after step()
+        logged.append(settings(opt))
         if case.get("evaluate"):
             evals.append(_megatron_evaluate(engine, gas, rank))
     final = _committed(engine) if acco else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     out = {"final": final, "applied": applied, "global_steps": steps, "skipped_steps": skipped, "lrs": lrs,
-           "sched_calls": sched.calls, "sched_consumed": sched.consumed, "evals": evals, "logged_lrs": logged_lrs}
+           "sched_calls": getattr(sched, "calls", None), "sched_consumed": getattr(sched, "consumed", None),
+           "evals": evals, "logged_lrs": logged_lrs, "logged": logged, "used": used,
+           "sched_state": sched.state_dict() if case.get("scheduler") == "megatron-like" else None}
     engine.destroy()
     if case.get("evaluate"):
         ds_acco.uninstall()

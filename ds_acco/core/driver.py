@@ -124,7 +124,8 @@ class AccoDriver:
         step_lr_scheduler: called once per applied (not skipped) commit, where stock steps its
             scheduler: at the end of the micro-batch call (``step()``) that launched the commit, or
             when the adapter says so (:meth:`step_lr_scheduler_owed`). A commit found skipped
-            later has that step undone (see :class:`_LRBookkeeping`).
+            later has that step undone (see :class:`_LRBookkeeping`); it may return the step's
+            inverse (a callable), used for schedulers whose ``load_state_dict()`` does not restore.
         lr_scheduler: returns the scheduler object ``step_lr_scheduler`` steps (for the undo), or None.
         loss_scale: the fp16 loss scale backward passes use now (None: no loss scaling).
         update_loss_scale: called with ``skipped`` once per committed step (dynamic loss scaling
@@ -138,7 +139,7 @@ class AccoDriver:
     def __init__(self, config, *, groups: Sequence[BufferGroup], optimizer: torch.optim.Optimizer, process_group,
                  gradient_accumulation_steps: int, clip_grad: float, device: torch.device, host: Any,
                  model_parallel_group=None,
-                 step_lr_scheduler: Optional[Callable[[], None]] = None,
+                 step_lr_scheduler: Optional[Callable[[], Any]] = None,
                  lr_scheduler: Optional[Callable[[], Any]] = None,
                  loss_scale: Optional[Callable[[], float]] = None,
                  update_loss_scale: Optional[Callable[[bool], Optional[float]]] = None,
@@ -434,18 +435,20 @@ class _LRBookkeeping:
     A step that the caller takes itself for the commit in flight (:meth:`caller_step`: Accelerate's
     scheduler, the HF Trainer's) is undone the same way.
 
-    A scheduler without ``state_dict()`` / ``load_state_dict()``, or whose state cannot be copied,
-    cannot be undone: ACCO then steps it only once its commit is known applied, at the commit's
-    collection, before the next round is launched -- every round still uses stock's settings, but
-    the learning rate read right after ``step()`` lags one phase (one warning says so)."""
+    A scheduler that cannot be undone -- no ``state_dict()`` / ``load_state_dict()``, a state that
+    cannot be copied, or a load that does not restore a live scheduler and no inverse step -- is
+    stepped only once its commit is known applied, at the commit's collection, before the next round
+    is launched: every round still uses stock's settings, but the learning rate read right after
+    ``step()`` lags one phase (one warning says so)."""
 
-    def __init__(self, step: Optional[Callable[[], None]], scheduler: Callable[[], Any],
+    def __init__(self, step: Optional[Callable[[], Any]], scheduler: Callable[[], Any],
                  optimizer: Callable[[], torch.optim.Optimizer]):
         self._step, self._scheduler, self._optimizer = step, scheduler, optimizer
         self._owed = False  # a launched commit's scheduler step not yet taken
         self._commit_in_flight = False  # a commit launched and not yet collected
         self._undos: List[SchedulerUndo] = []  # the scheduler steps taken for the commit in flight, in order
         self._deferred = False  # our scheduler has no undo: stepped at the collection of an applied commit
+        self._no_undo: dict = {}  # id(scheduler) -> why it cannot be undone, once found out
         self._warned: set = set()
 
     def launched(self, kind: RoundKind) -> None:
@@ -462,9 +465,9 @@ class _LRBookkeeping:
         if scheduler is None:
             return
         self._owed, self._deferred = True, False
-        lacks = undoable(scheduler)
-        if lacks is not None:
-            self._defer(scheduler, lacks)
+        why = undoable(scheduler) or self._no_undo.get(id(scheduler))
+        if why is not None:
+            self._defer(scheduler, why)
 
     def step_owed(self) -> None:
         """Take the scheduler step owed for the commit launched last (unless it waits for the
@@ -477,6 +480,7 @@ class _LRBookkeeping:
             self._undos.append(SchedulerUndo.around(scheduler, self._optimizer(), self._step))
         except NotUndoable as exc:  # raised before the step: take it at the collection instead
             self._owed = True
+            self._no_undo[id(scheduler)] = str(exc)
             self._defer(scheduler, str(exc))
 
     def caller_step(self, scheduler, step: Callable[[], None]) -> None:
@@ -484,16 +488,17 @@ class _LRBookkeeping:
         right after the ``step()`` that launched a commit (stock skips it for a skipped step): taken
         now, and undone if the commit in flight turns out skipped. With no commit in flight it is
         only taken."""
-        if not self._commit_in_flight:
+        why = undoable(scheduler) or self._no_undo.get(id(scheduler))
+        if not self._commit_in_flight or why is not None:
+            if why is not None:
+                self._warn_caller_scheduler(scheduler, why)
             step()
             return
         try:
             self._undos.append(SchedulerUndo.around(scheduler, self._optimizer(), step))
         except NotUndoable as exc:
-            self._warn_once(scheduler, f"ACCO: the LR scheduler {type(scheduler).__name__} that the caller steps "
-                                       f"cannot be undone ({exc}): after each skipped commit (non-finite gradient, "
-                                       "fp16 overflow) its schedule runs one step ahead of stock's; fix: give it "
-                                       "state_dict() and load_state_dict()")
+            self._no_undo[id(scheduler)] = str(exc)
+            self._warn_caller_scheduler(scheduler, str(exc))
             step()
 
     def collected(self, skipped: bool) -> None:
@@ -503,7 +508,18 @@ class _LRBookkeeping:
             self._owed = False  # a step still owed is never taken
             optimizer = self._optimizer()
             for undo in reversed(undos):
-                undo.revert(optimizer)
+                try:
+                    undo.revert(optimizer)
+                except NotUndoable as exc:  # nothing was changed: this step stays
+                    self._no_undo[id(undo.scheduler)] = str(exc)
+                    if undo.scheduler is self._scheduler():
+                        self._warn_once(undo.scheduler, f"ACCO: a skipped commit's step of the LR scheduler "
+                                                        f"{type(undo.scheduler).__name__} cannot be undone ({exc}): "
+                                                        "the schedule runs one step ahead of stock's from here; ACCO "
+                                                        "steps it only once a commit is known applied from now on; "
+                                                        "fix: a load_state_dict() that restores a live scheduler")
+                    else:
+                        self._warn_caller_scheduler(undo.scheduler, str(exc))
         elif self._owed and self._deferred:
             self._owed = False
             self._step()
@@ -514,7 +530,13 @@ class _LRBookkeeping:
                                    "ACCO steps it only once a commit is known applied, at the commit's collection "
                                    "(a phase after stock steps it): every round uses stock's learning rate, but the "
                                    "rate read right after step() lags one step behind stock's; fix: give the "
-                                   "scheduler state_dict() and load_state_dict()")
+                                   "scheduler state_dict() and a load_state_dict() that restores it")
+
+    def _warn_caller_scheduler(self, scheduler, why: str) -> None:
+        self._warn_once(scheduler, f"ACCO: the LR scheduler {type(scheduler).__name__} that the caller steps cannot "
+                                   f"be undone ({why}): after each skipped commit (non-finite gradient, fp16 "
+                                   "overflow) its schedule runs one step ahead of stock's; fix: give it state_dict() "
+                                   "and a load_state_dict() that restores it")
 
     def _warn_once(self, scheduler, message: str) -> None:
         if id(scheduler) in self._warned:

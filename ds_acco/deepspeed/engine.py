@@ -215,13 +215,23 @@ class AccoEngine(DeepSpeedEngine):
         self.optimizer.step()  # ends the phase; a commit collected here runs the driver's bookkeeping
 
     # -- commit bookkeeping (the driver counts global/skipped steps and logs) ----------------------
-    def _acco_step_lr_scheduler(self) -> None:
+    def _acco_step_lr_scheduler(self):
+        """Stock's scheduler step; returns its inverse under Megatron's protocol, whose
+        ``step(increment=n)`` adds n to the scheduler's count (``step(increment=-n)`` takes it back;
+        its ``load_state_dict()`` adds the loaded count instead of restoring it)."""
         if self.lr_scheduler is None:
-            return
+            return None
+        kwargs = dict(self._acco_lr_kwargs or {})
+        scheduler = self.lr_scheduler
         try:
-            self.lr_scheduler.step(**(self._acco_lr_kwargs or {}))
+            scheduler.step(**kwargs)
         except TypeError:
-            self.lr_scheduler.step(self.train_batch_size())
+            scheduler.step(self.train_batch_size())
+            return None
+        increment = kwargs.get("increment")
+        if isinstance(increment, (int, float)) and not isinstance(increment, bool):
+            return lambda: scheduler.step(**{**kwargs, "increment": -increment})
+        return None
 
     def _acco_after_commit(self, result, record) -> None:
         # What DeepSpeedEngine._take_model_step does besides the scheduler, once per committed step.

@@ -20,7 +20,8 @@ import torch
 from ds_acco.core.driver import _LRBookkeeping
 from ds_acco.core.functional_step import capture_settings
 from ds_acco.core.rounds import RoundKind
-from schedulers import SCHEDULERS, settings
+from ds_acco.core.scheduler_undo import copied_state, load_restores
+from schedulers import SCHEDULERS, MegatronLikeScheduler, settings
 
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 STEPS = 9
@@ -261,6 +262,64 @@ def test_a_step_the_caller_takes_for_the_commit_in_flight_is_undone_with_it():
     want, final, _ = _reference(SCHEDULERS["sequential"], steps_before=1)
     assert used == want
     assert settings(opt) == final
+
+
+INCREMENT = 32  # Megatron's step(increment=...): samples per iteration
+
+
+def _megatron_step(sched, inverse=True):
+    """The DeepSpeed adapter's step under Megatron's protocol: step(increment=n), returning its
+    inverse step(increment=-n) (``inverse``) or nothing."""
+    def step():
+        sched.step(increment=INCREMENT)
+        return (lambda: sched.step(increment=-INCREMENT)) if inverse else None
+    return step
+
+
+def _megatron_reference(skipped):
+    opt = _optimizer()
+    sched = MegatronLikeScheduler(opt)
+    used = []
+    for t in range(STEPS):
+        used.append(settings(opt))
+        if t not in skipped:
+            sched.step(increment=INCREMENT)
+    return used, sched.num_steps
+
+
+def test_a_load_that_does_not_restore_is_found_on_a_copy_and_the_inverse_step_is_used(caplog):
+    """Megatron's load_state_dict() adds the loaded step count to the current one: loading the
+    state from before a step would double the count. Tried on a copy of the scheduler first (the
+    real one and the param groups untouched), it is not used; the adapter's inverse step is."""
+    opt = _optimizer()
+    sched = MegatronLikeScheduler(opt)
+    lr = _LRBookkeeping(_megatron_step(sched), lambda: sched, lambda: opt)
+    with caplog.at_level(logging.WARNING, logger="ds_acco"):
+        used, read = _run(lr, opt)
+    want, num_steps = _megatron_reference(SKIPPED)
+    assert used == want  # lr and weight_decay of every group, bit for bit
+    assert sched.num_steps == num_steps
+    assert not [r for r in caplog.records if "cannot be undone" in r.getMessage()]
+    assert not load_restores(sched, opt, {**sched.state_dict(), "num_steps": 0})
+    torch_sched = SCHEDULERS["sequential"](opt)
+    before = copied_state(torch_sched, opt)
+    torch_sched.step()
+    assert load_restores(torch_sched, opt, before)
+
+
+def test_a_load_that_does_not_restore_without_an_inverse_is_warned_and_deferred(caplog):
+    """No inverse either: the first skipped commit's step stays (one warning says the schedule runs
+    one step ahead from there), and from then on the scheduler is stepped only once a commit is
+    known applied, so later skips cost nothing more."""
+    opt = _optimizer()
+    sched = MegatronLikeScheduler(opt)
+    lr = _LRBookkeeping(_megatron_step(sched, inverse=False), lambda: sched, lambda: opt)
+    with caplog.at_level(logging.WARNING, logger="ds_acco"):
+        used, _ = _run(lr, opt)
+    want, num_steps = _megatron_reference(SKIPPED[1:])  # the first skip is not undone
+    assert used == want and sched.num_steps == num_steps
+    warnings = [r.getMessage() for r in caplog.records if "cannot be undone" in r.getMessage()]
+    assert len(warnings) == 1 and "MegatronLikeScheduler" in warnings[0] and "one step ahead" in warnings[0]
 
 
 def test_capture_settings_is_what_the_undo_compares():

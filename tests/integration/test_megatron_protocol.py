@@ -25,6 +25,9 @@ for mode in ("acco", "dpu"):
         CASES[(mode, protocol, True)] = {"mode": mode, "gas": GAS, "iters": ITERS, "protocol": protocol,
                                          "nan_at": NAN[mode]}
 CASES[("stock", "megatron", False)] = {"mode": "stock", "gas": GAS, "iters": ITERS, "protocol": "megatron"}
+for mode in ("acco", "dpu"):  # Megatron's own scheduler, whose load_state_dict() does not restore a live one
+    CASES[(mode, "megatron", "megatron-like")] = {"mode": mode, "gas": GAS, "iters": ITERS, "protocol": "megatron",
+                                                  "nan_at": NAN[mode], "scheduler": "megatron-like"}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,30 @@ def test_lr_megatron_logs_after_step_is_stocks(runs, mode):
         assert len(set(stock)) == ITERS  # the schedule moves every iteration: a lag would show
         assert rank_runs[(mode, "megatron", False)]["logged_lrs"] == stock
         assert rank_runs[(mode, "per_mb", False)]["logged_lrs"] == stock
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_megatrons_scheduler_is_undone_by_its_inverse_step(runs, mode):
+    """Megatron's OptimizerParamScheduler re-applies a loaded step count on top of its current one,
+    so a skipped commit's step is undone by step(increment=-n): every applied commit uses the lr and
+    weight decay of a fresh scheduler stepped once per applied iteration (stock's rule), and what
+    Megatron logs after step() is that too, but in the iteration whose commit is still in flight."""
+    from schedulers import MegatronLikeScheduler, settings
+    ref_opt = make_optimizer("adamw")(TinyNet(seed=0))
+    ref = MegatronLikeScheduler(ref_opt)
+    want, logged = [], []
+    for t in range(ITERS):
+        if t != 1:  # iteration 1's commit is skipped
+            want.append(settings(ref_opt))
+            ref.step(increment=INCREMENT)
+        logged.append(settings(ref_opt))
+    for rank_runs in runs:
+        run = rank_runs[(mode, "megatron", "megatron-like")]
+        commits = [u for u in run["used"] if u["kind"] == "commit"]
+        assert [c["step"] for c in commits if c["skipped"]] == [1]
+        assert [c["settings"] for c in commits if not c["skipped"]] == want
+        assert run["sched_state"] == ref.state_dict()
+        assert [i for i in range(ITERS) if run["logged"][i] != logged[i]] == [1]
 
 
 def test_dynamic_refused_at_initialize_under_megatron():
