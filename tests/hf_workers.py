@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -55,7 +56,7 @@ def accelerate_run(case: dict) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    from fixtures import TinyNet, batch, make_optimizer
+    from fixtures import TinyNet, make_optimizer
 
     ds_acco.install()
     sys.path.insert(0, REPO)
@@ -63,7 +64,7 @@ def accelerate_run(case: dict) -> dict:
     fix_accelerate_on_cpu_host()
     _reset_accelerate()  # several Accelerators, one after the other, in this process
     rank = int(os.environ["RANK"])
-    gas, steps = case["gas"], case["steps"]
+    gas = case["gas"]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "zero_optimization": {"stage": 1},
            "gradient_clipping": 0.0, **_acco_block(case)}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=gas)
@@ -82,6 +83,23 @@ def accelerate_run(case: dict) -> dict:
     from lr_workers import record_used
     used = record_used(engine, engine.optimizer.optimizer) if hasattr(engine.optimizer, "driver") else None
     losses, lrs = [], []
+    with warnings.catch_warnings(record=True) as caught:  # torch's scheduler-order warning, if any
+        warnings.simplefilter("always")
+        _accelerate_loop(accelerator, engine, opt, sched, case, rank, log, losses, lrs)
+    order_warnings = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    if log is not None:
+        log.end_of_data()
+    out = {"final": _committed(engine), "losses": losses, "lrs": lrs, "engine": type(engine).__name__,
+           "num_processes": accelerator.num_processes, "used": used, "skipped_steps": engine.skipped_steps,
+           "order_warnings": order_warnings,
+           "final_lr": [g["lr"] for g in engine.optimizer.param_groups]}
+    engine.destroy()
+    return out
+
+
+def _accelerate_loop(accelerator, engine, opt, sched, case, rank, log, losses, lrs):
+    from fixtures import batch
+    gas, steps = case["gas"], case["steps"]
     for i in range(gas * steps):
         if log is not None:
             log.before_micro_batch(i)
@@ -100,13 +118,6 @@ def accelerate_run(case: dict) -> dict:
             log.after_micro_batch(i)
         if accelerator.sync_gradients:
             lrs.append(engine.optimizer.param_groups[0]["lr"])
-    if log is not None:
-        log.end_of_data()
-    out = {"final": _committed(engine), "losses": losses, "lrs": lrs, "engine": type(engine).__name__,
-           "num_processes": accelerator.num_processes, "used": used, "skipped_steps": engine.skipped_steps,
-           "final_lr": [g["lr"] for g in engine.optimizer.param_groups]}
-    engine.destroy()
-    return out
 
 
 def _acco_optimizers_built() -> int:

@@ -95,6 +95,15 @@ def test_accelerate_lr_read_after_each_step_is_stocks(accelerate_runs):
         assert rank_runs["async"]["lrs"] == rank_runs["stock"]["lrs"]
 
 
+def test_accelerate_no_scheduler_order_warning(accelerate_runs):
+    """torch warns "lr_scheduler.step() before optimizer.step()" when the optimizer's step() was
+    never called before the scheduler's first step: stock calls it; ACCO's functional commit never
+    does, and runs after the caller's scheduler step -- ACCO records the step at the commit's launch."""
+    for rank_runs in accelerate_runs:
+        for name in ("stock", "sync", "async", "dpu-gated"):
+            assert rank_runs[name]["order_warnings"] == [], name
+
+
 def test_accelerate_refuses_dynamic_at_prepare(accelerate_runs):
     """Refused inside deepspeed.initialize (the router), before an engine or its banner exists --
     not at the first backward."""
