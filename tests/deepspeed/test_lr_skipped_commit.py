@@ -64,7 +64,7 @@ def _window(skipped, mode="acco"):
 COMPARED = [(f"acco-{k}", k, "acco") for k in KINDS] + [("dpu-sequential", "sequential", "dpu")]
 
 
-@pytest.mark.parametrize("name,kind,mode", COMPARED)
+@pytest.mark.parametrize("name,kind,mode", COMPARED, ids=[c[0] for c in COMPARED])
 def test_every_step_uses_stocks_settings_with_skipped_steps(runs, name, kind, mode):
     for rank_runs in runs:
         stock, acco = rank_runs[f"stock-{kind}"], rank_runs[name]
