@@ -431,3 +431,62 @@ def bound_device_refusal():
         return str(exc)
     finally:
         world.bound_device_id = None
+
+
+# -- the exit path after a CommTimeoutError ------------------------------------------------------
+def exit_after_a_timeout(comm_timeout_s):
+    """A commit round stalls (gated on the lane), the wait for it in ``step()`` runs out
+    (CommTimeoutError), and the program ends: the driver's at-exit hook runs, as at interpreter
+    exit. The lane's blocking waits run on a fake clock: a wait for the stalled round runs out at
+    once instead of after ``comm_timeout_s``, and a join of the lane's worker returns at once while
+    the round is stalled. Returns every wait asked for, in order, among the events of the run."""
+    import contextlib
+    import io
+    import threading
+    from concurrent import futures
+    from ds_acco.comm import lane as lane_module
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model, acco = build({"optimizer": "sgd", "gas": 4,
+                         "acco": {"enabled": True, "mode": "acco", "comm_timeout_s": comm_timeout_s}})
+    lane = acco.driver.lane
+    events, gate, stalled = [], threading.Event(), []
+    inner_submit = lane.submit
+
+    def submit(name, fn, **kwargs):
+        if not name.startswith("commit"):
+            return inner_submit(name, fn, **kwargs)
+        handle = inner_submit(name, lambda: (gate.wait(), fn())[1], **kwargs)  # the peers never come
+        stalled.append(handle.future)
+        return handle
+    lane.submit = submit
+
+    def wait(fs, timeout=None):
+        events.append(("wait for a round", timeout))
+        if any(f in stalled for f in fs) and not gate.is_set():
+            return set(), set(fs)  # the fake clock: comm_timeout_s has passed
+        return futures.wait(fs, timeout=timeout)
+    lane_module.futures = type("FakeClock", (), {"wait": staticmethod(wait)})
+
+    def join(timeout=None, _join=None):
+        events.append(("join the lane's worker", timeout))
+        _join(timeout=0 if not gate.is_set() else timeout)
+    try:
+        for i in range(8):
+            feed(model, acco, i, i + 1)
+            if lane._thread is not None and "join" not in lane._thread.__dict__:
+                worker = lane._thread
+                worker.join = lambda timeout=None, _join=worker.join: join(timeout, _join)
+    except lane_module.CommTimeoutError as exc:
+        events.append(("CommTimeoutError", str(exc)))
+    stderr = io.StringIO()
+    events.append(("exit hook", None))
+    with contextlib.redirect_stderr(stderr):
+        acco.driver._at_exit()  # what atexit runs at interpreter exit
+    events.append(("exit hook returned", None))
+    lane_module.futures = futures
+    gate.set()  # let the stalled round end before the process group does
+    worker.__dict__.pop("join", None)
+    worker.join(60)
+    return {"events": events, "stderr": stderr.getvalue(), "abandoned": acco.driver.abandoned,
+            "worker_ended": not worker.is_alive()}
