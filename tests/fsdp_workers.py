@@ -433,6 +433,72 @@ def bound_device_refusal():
         world.bound_device_id = None
 
 
+# -- close() gives the model back as the user configured it ---------------------------------------
+def user_configured_model():
+    """TinyNet sharded with settings of the user's own: fc1 resharded after forward (FSDP's default),
+    fc2 kept unsharded after forward and after backward, the root as FSDP decides."""
+    model = sharded_tiny(keep_fc2=True)
+    model.fc2.set_reshard_after_backward(False)
+    return model
+
+
+def fsdp_behaviour(model):
+    """What plain FSDP does with ``model``'s settings, per FSDP module: whether its parameters are
+    sharded after a forward without backward (reshard_after_forward) and after a forward and
+    backward (reshard_after_backward), and whether that backward left reduced, sharded gradients
+    (gradient sync on)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    modules = {n or "root": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+
+    def sharded():
+        return {n: [isinstance(p, DTensor) for p in m.parameters(recurse=False)] for n, m in modules.items()}
+    x, y = batch(_rank(), 0)
+    with torch.no_grad():
+        model(x, y)
+    after_forward = sharded()
+    for m in modules.values():
+        m.reshard()
+    model(x, y).backward()
+    after_backward = sharded()
+    for m in modules.values():
+        m.reshard()  # the sharded parameters again: FSDP's reduce-scatter leaves their gradients there
+    out = {"after_forward": after_forward, "after_backward": after_backward,
+           "reduced_grads": {n: [isinstance(p.grad, DTensor) for p in m.parameters(recurse=False)]
+                             for n, m in modules.items()}}
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def close_gives_fsdp_back():
+    """fsdp_behaviour of: a model never given to ACCO (the reference); models given back by close()
+    after training with a round in flight (resident and sharded_params layouts); a model AccoFSDP
+    refused after it had begun taking FSDP over (an optimizer over other parameters)."""
+    from ds_acco.fsdp import AccoFSDP
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = {"plain": fsdp_behaviour(user_configured_model())}
+    for layout, sharded in (("resident", False), ("sharded", True)):
+        model = user_configured_model()
+        acco = AccoFSDP(model, make_optimizer("adamw")(model), ds_config(4, {"enabled": True, "mode": "acco"}),
+                        sharded_params=sharded)
+        feed(model, acco, 0, 6)  # a commit round in flight
+        acco.close()
+        out[layout] = fsdp_behaviour(model)
+    model = user_configured_model()
+    try:
+        AccoFSDP(model, torch.optim.SGD(TinyNet().parameters(), lr=0.1), ds_config(4, {"enabled": True}))
+        out["refused"] = "NO ERROR"
+    except ValueError as exc:
+        out["refusal"] = str(exc)
+        try:
+            out["refused"] = fsdp_behaviour(model)
+        except RuntimeError as exc:  # e.g. ACCO's guard against FSDP's re-gather left in place
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 # -- the exit path after a CommTimeoutError ------------------------------------------------------
 def exit_after_a_timeout(comm_timeout_s):
     """A commit round stalls (gated on the lane), the wait for it in ``step()`` runs out
