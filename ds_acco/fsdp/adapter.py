@@ -131,7 +131,7 @@ class AccoFSDP:
                              "a real step on the shards FSDP all-gathers from during that phase (only torch SGD / "
                              "Adam / AdamW have a functional step); fix: use one of those, or the resident layout "
                              "(sharded_params=False)")
-        self.driver.install_sigterm(save=self.save_checkpoint)
+        self.driver.install_sigterm(save=self.save_checkpoint, checkpoint_dir=self.sigterm_checkpoint_dir)
 
     def _take_over_fsdp(self, model: FSDPModule, acco) -> FSDPBuffers:
         """FSDP's gradient sync off and gradients into G through hooks; by default FSDP2 in a
@@ -268,6 +268,22 @@ class AccoFSDP:
     def drain(self) -> Optional[RoundResult]:
         """Wait for the round in flight (a finished commit counts as committed)."""
         return self.driver.drain()
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The process group of the 1-D mesh the model is sharded over (the ranks that build this
+        adapter: the whole world or a subset of it). Checkpoints are collective over it alone."""
+        return self._mesh_group
+
+    @property
+    def sigterm_checkpoint_dir(self) -> Optional[str]:
+        """Where ``acco.sigterm: "checkpoint"`` saves (None without it): ``acco.sigterm_checkpoint_dir``
+        itself when the data-parallel mesh spans the whole world; else its subdirectory
+        ``dp-group-<g>``, ``g`` the global rank of the mesh's rank 0, so that meshes sharing one
+        config (the data-parallel groups of a 2-D mesh) never write into one directory."""
+        from . import checkpoint
+        root = self.acco_config.sigterm_checkpoint_dir
+        return None if root is None else checkpoint.mesh_path(root, self._mesh_group)
 
     def save_checkpoint(self, path: str) -> None:
         """See :func:`ds_acco.fsdp.checkpoint.save`."""
