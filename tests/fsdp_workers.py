@@ -63,15 +63,17 @@ def build(case, mesh=None):
     return model, acco
 
 
-def feed(model, acco, start, stop, on_micro_batch=None, sleep=0.0, eval_at=(), sharded_log=None):
-    """Micro-batches ``start..stop-1``. ``eval_at``: after those, a forward without backward on
-    the committed weights (an evaluation). ``sharded_log``: gets, per micro-batch, whether every
-    parameter was a sharded DTensor after the step (nothing unsharded resident)."""
+def feed(model, acco, start, stop, on_micro_batch=None, sleep=0.0, eval_at=(), sharded_log=None, data_rank=None):
+    """Micro-batches ``start..stop-1`` (of rank ``data_rank``'s data; default this rank's). ``eval_at``:
+    after those, a forward without backward on the committed weights (an evaluation). ``sharded_log``:
+    gets, per micro-batch, whether every parameter was a sharded DTensor after the step (nothing
+    unsharded resident)."""
     from torch.distributed.tensor import DTensor
     losses = []
     device = next(model.parameters()).device
+    data_rank = _rank() if data_rank is None else data_rank
     for i in range(start, stop):
-        loss = model(*(t.to(device) for t in batch(_rank(), i)))
+        loss = model(*(t.to(device) for t in batch(data_rank, i)))
         acco.backward(loss)
         if sleep:
             time.sleep(sleep)
@@ -85,6 +87,23 @@ def feed(model, acco, start, stop, on_micro_batch=None, sleep=0.0, eval_at=(), s
         if on_micro_batch is not None:
             on_micro_batch(i)
     return losses
+
+
+def feed_until_sigterm(model, acco, total, signal_rank, signal_at):
+    """Micro-batches ``0..total-1``; global rank ``signal_rank`` sends itself SIGTERM after micro-batch
+    ``signal_at``. Returns ``(done, code)``: with ``code`` the SystemExit's (None: not stopped), the
+    stop left ``step()`` of micro-batch ``done`` (it is counted, and in a SIGTERM checkpoint)."""
+    import signal
+    done = 0
+    try:
+        for i in range(total):
+            feed(model, acco, i, i + 1)
+            done = i + 1
+            if _rank() == signal_rank and i == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+    except SystemExit as exc:
+        return done, exc.code
+    return done, None
 
 
 def run(case):
@@ -431,3 +450,208 @@ def bound_device_refusal():
         return str(exc)
     finally:
         world.bound_device_id = None
+
+
+# -- checkpoints on data-parallel meshes that are not the whole world ----------------------------
+def _job_meshes():
+    """4 ranks as two independent jobs: a (job 2, dp 2) mesh whose 'dp' groups {0, 1} and {2, 3}
+    each train their own AccoFSDP (their own data: micro-batches by global rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("job", "dp"))["dp"], dist.get_rank() // 2
+
+
+def _committed(model, acco):
+    with ds_acco.committed_weights(acco):
+        return live_snapshot(model)
+
+
+def mesh_checkpoint_saves(case, root, saves, sigterm, total):
+    """Each job trains ``total`` micro-batches three times: uninterrupted; saving after the
+    micro-batches ``saves[job]`` to ``root/job<j>/mb<i>``; and stopped by a SIGTERM sent to global
+    rank ``sigterm[job][0]`` after its micro-batch ``sigterm[job][1]`` (acco.sigterm 'checkpoint',
+    one sigterm_checkpoint_dir in both jobs' config). Also: HSDP (fully_shard on the 2-D mesh) is
+    still refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from ds_acco.fsdp import AccoFSDP
+    mesh, job = _job_meshes()
+    rank = dist.get_rank()
+    out = {"rank": rank, "job": job}
+    hsdp = sharded_tiny(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    try:
+        AccoFSDP(hsdp, make_optimizer("sgd")(hsdp), ds_config(4, case["acco"])).close()
+        out["hsdp"] = "NO ERROR"
+    except ValueError as exc:
+        out["hsdp"] = str(exc)
+
+    model, acco = build(case, mesh)
+    out["losses"] = feed(model, acco, 0, total)
+    out["final"], out["global_steps"] = _committed(model, acco), acco.global_steps
+    acco.close()
+
+    model, acco = build(case, mesh)
+    in_flight = []
+
+    def save(i):
+        if i in saves[job]:
+            in_flight.append(acco.schedule.round_in_flight is not None)
+            acco.save_checkpoint(os.path.join(root, f"job{job}", f"mb{i}"))
+    out["saving_losses"] = feed(model, acco, 0, total, on_micro_batch=save)
+    out["saved_with_a_round_in_flight"] = in_flight
+    acco.close()
+
+    model, acco = build(case, mesh)
+    out["sigterm_dir"] = acco.sigterm_checkpoint_dir
+    out["stopped_after"], out["stopped"] = feed_until_sigterm(model, acco, total, *sigterm[job])
+    acco.close()
+    return out
+
+
+def mesh_checkpoint_resumes(case, root, saves, stopped_after, total):
+    """In fresh processes: each job loads each of its checkpoints (``saves[job]`` under
+    ``root/job<j>``, then its SIGTERM checkpoint, taken after micro-batch ``stopped_after[job]``)
+    into a new model and trains on to ``total`` micro-batches. Then each job resumes the *other*
+    job's last save, on that job's data ('moved': its ranks now have other global ranks)."""
+    mesh, job = _job_meshes()
+    rank = dist.get_rank()
+    other = 1 - job
+    out = {"rank": rank, "job": job}
+    loads = [(i, os.path.join(root, f"job{job}", f"mb{i}"), i, rank) for i in saves[job]]
+    loads.append(("sigterm", None, stopped_after[job], rank))
+    loads.append(("moved", os.path.join(root, f"job{other}", f"mb{saves[other][-1]}"), saves[other][-1],
+                  rank + 2 * (other - job)))
+    for key, path, after, data_rank in loads:  # ``after``: the last micro-batch the checkpoint holds
+        model, acco = build(case, mesh)
+        acco.load_checkpoint(path or acco.sigterm_checkpoint_dir)
+        loaded = acco.global_steps
+        losses = feed(model, acco, after + 1, total, data_rank=data_rank)
+        out[key] = {"losses": losses, "final": _committed(model, acco), "global_steps": acco.global_steps,
+                    "loaded_steps": loaded}
+        acco.close()
+    return out
+
+
+# -- close() gives the model back as the user configured it ---------------------------------------
+def user_configured_model():
+    """TinyNet sharded with settings of the user's own: fc1 resharded after forward (FSDP's default),
+    fc2 kept unsharded after forward and after backward, the root as FSDP decides."""
+    model = sharded_tiny(keep_fc2=True)
+    model.fc2.set_reshard_after_backward(False)
+    return model
+
+
+def fsdp_behaviour(model):
+    """What plain FSDP does with ``model``'s settings, per FSDP module: whether its parameters are
+    sharded after a forward without backward (reshard_after_forward) and after a forward and
+    backward (reshard_after_backward), and whether that backward left reduced, sharded gradients
+    (gradient sync on)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    modules = {n or "root": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+
+    def sharded():
+        return {n: [isinstance(p, DTensor) for p in m.parameters(recurse=False)] for n, m in modules.items()}
+    x, y = batch(_rank(), 0)
+    with torch.no_grad():
+        model(x, y)
+    after_forward = sharded()
+    for m in modules.values():
+        m.reshard()
+    model(x, y).backward()
+    after_backward = sharded()
+    for m in modules.values():
+        m.reshard()  # the sharded parameters again: FSDP's reduce-scatter leaves their gradients there
+    out = {"after_forward": after_forward, "after_backward": after_backward,
+           "reduced_grads": {n: [isinstance(p.grad, DTensor) for p in m.parameters(recurse=False)]
+                             for n, m in modules.items()}}
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def close_gives_fsdp_back():
+    """fsdp_behaviour of: a model never given to ACCO (the reference); models given back by close()
+    after training with a round in flight (resident and sharded_params layouts); a model AccoFSDP
+    refused after it had begun taking FSDP over (an optimizer over other parameters)."""
+    from ds_acco.fsdp import AccoFSDP
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = {"plain": fsdp_behaviour(user_configured_model())}
+    for layout, sharded in (("resident", False), ("sharded", True)):
+        model = user_configured_model()
+        acco = AccoFSDP(model, make_optimizer("adamw")(model), ds_config(4, {"enabled": True, "mode": "acco"}),
+                        sharded_params=sharded)
+        feed(model, acco, 0, 6)  # a commit round in flight
+        acco.close()
+        out[layout] = fsdp_behaviour(model)
+    model = user_configured_model()
+    try:
+        AccoFSDP(model, torch.optim.SGD(TinyNet().parameters(), lr=0.1), ds_config(4, {"enabled": True}))
+        out["refused"] = "NO ERROR"
+    except ValueError as exc:
+        out["refusal"] = str(exc)
+        try:
+            out["refused"] = fsdp_behaviour(model)
+        except RuntimeError as exc:  # e.g. ACCO's guard against FSDP's re-gather left in place
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+# -- the exit path after a CommTimeoutError ------------------------------------------------------
+def exit_after_a_timeout(comm_timeout_s):
+    """A commit round stalls (gated on the lane), the wait for it in ``step()`` runs out
+    (CommTimeoutError), and the program ends: the driver's at-exit hook runs, as at interpreter
+    exit. The lane's blocking waits run on a fake clock: a wait for the stalled round runs out at
+    once instead of after ``comm_timeout_s``, and a join of the lane's worker returns at once while
+    the round is stalled. Returns every wait asked for, in order, among the events of the run."""
+    import contextlib
+    import io
+    import threading
+    from concurrent import futures
+    from ds_acco.comm import lane as lane_module
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model, acco = build({"optimizer": "sgd", "gas": 4,
+                         "acco": {"enabled": True, "mode": "acco", "comm_timeout_s": comm_timeout_s}})
+    lane = acco.driver.lane
+    events, gate, stalled = [], threading.Event(), []
+    inner_submit = lane.submit
+
+    def submit(name, fn, **kwargs):
+        if not name.startswith("commit"):
+            return inner_submit(name, fn, **kwargs)
+        handle = inner_submit(name, lambda: (gate.wait(), fn())[1], **kwargs)  # the peers never come
+        stalled.append(handle.future)
+        return handle
+    lane.submit = submit
+
+    def wait(fs, timeout=None):
+        events.append(("wait for a round", timeout))
+        if any(f in stalled for f in fs) and not gate.is_set():
+            return set(), set(fs)  # the fake clock: comm_timeout_s has passed
+        return futures.wait(fs, timeout=timeout)
+    lane_module.futures = type("FakeClock", (), {"wait": staticmethod(wait)})
+
+    def join(timeout=None, _join=None):
+        events.append(("join the lane's worker", timeout))
+        _join(timeout=0 if not gate.is_set() else timeout)
+    try:
+        for i in range(8):
+            feed(model, acco, i, i + 1)
+            if lane._thread is not None and "join" not in lane._thread.__dict__:
+                worker = lane._thread
+                worker.join = lambda timeout=None, _join=worker.join: join(timeout, _join)
+    except lane_module.CommTimeoutError as exc:
+        events.append(("CommTimeoutError", str(exc)))
+    stderr = io.StringIO()
+    events.append(("exit hook", None))
+    with contextlib.redirect_stderr(stderr):
+        acco.driver._at_exit()  # what atexit runs at interpreter exit
+    events.append(("exit hook returned", None))
+    lane_module.futures = futures
+    gate.set()  # let the stalled round end before the process group does
+    worker.__dict__.pop("join", None)
+    worker.join(60)
+    return {"events": events, "stderr": stderr.getvalue(), "abandoned": acco.driver.abandoned,
+            "worker_ended": not worker.is_alive()}

@@ -20,6 +20,12 @@ stream and event on the lane's device:
 4. a round that raises first synchronises its stream, so no kernel of it is pending when the
    error reaches the caller.
 
+A wait that runs out (``timeout_s``, raising :class:`CommTimeoutError`) marks the lane broken: its
+worker is stuck in that round's collective. From then on nothing waits on the lane again -- a later
+wait for an unfinished round raises at once and :meth:`CommLane.close` does not join the worker --
+so the exit path after a timeout (a drain, then the lane's close) adds no second and third
+``timeout_s`` to the first.
+
 Tests drive this protocol with :class:`~ds_acco.comm.recording.RecordingAccelerator`, which
 checks every cross-stream access for an ordering, and swap in lanes that delay or gate rounds
 to check asynchrony structurally.
@@ -95,6 +101,7 @@ class CommLane:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.RLock()  # re-entrant: cheap insurance should a finaliser run while it is held
         self.rounds_submitted = 0
+        self.timed_out: Optional[str] = None  # the round whose wait ran out: the lane is broken (module docstring)
 
     def submit(self, name: str, fn: Callable[[], Any], keep: Sequence[Any] = ()) -> RoundHandle:
         """Start ``fn`` as the next round and return at once (inline when synchronous).
@@ -174,10 +181,16 @@ class CommLane:
 
     def wait(self, handle: RoundHandle) -> Any:
         """Block until ``handle`` finishes; re-raise its error; bounded by ``timeout_s``."""
+        if self.timed_out is not None and not handle.future.done():
+            raise CommTimeoutError(
+                f"communication round '{handle.name}' is not finished and is not waited for: round "
+                f"'{self.timed_out}' already ran out of acco.comm_timeout_s ({self.timeout_s:g} s) on this lane, "
+                "whose worker is still stuck in it")
         # Waited for apart from collecting: a round's own TimeoutError (a collective's timeout is
         # one) must be reported as that round's failure, not as this wait running out.
         finished, _ = futures.wait([handle.future], timeout=self.timeout_s)
         if not finished:
+            self.timed_out = handle.name
             raise CommTimeoutError(
                 f"communication round '{handle.name}' did not finish within {self.timeout_s:g} s "
                 "(acco.comm_timeout_s): a peer rank may have died or the network is stalled")
@@ -195,13 +208,15 @@ class CommLane:
         return out
 
     def close(self) -> None:
-        """Stop the worker thread after the round in flight, waiting at most ``timeout_s`` for it:
-        a round stuck in a collective (a dead peer) is left to its daemon thread."""
+        """Stop the worker thread after the round in flight, waiting at most ``timeout_s`` for it
+        (not at all once a wait has run out: the worker is stuck in that round): a round stuck in
+        a collective (a dead peer) is left to its daemon thread."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join(self.timeout_s)
+            if self.timed_out is None:
+                thread.join(self.timeout_s)
             self.stuck = thread.is_alive()
 
     def stop_nowait(self, then: Optional[Callable[[], None]] = None) -> None:

@@ -190,6 +190,7 @@ class AccoDriver:
         self._abandoned = False
         self._previous_sigterm = None
         self._stop_save: Optional[Callable[[str], None]] = None
+        self._stop_dir: Optional[str] = None
         # A script that ends (returns, raises, Ctrl-C) without destroy(), as most DeepSpeed scripts
         # do: finish the round in flight before the interpreter tears down (see _close_at_exit).
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
@@ -306,16 +307,20 @@ class AccoDriver:
         """Whether a round collected so far carried a stop request from some rank."""
         return any(r.stop_anywhere or any(p.stop for p in (r.peer_report or ())) for r in self.schedule.recent_rounds)
 
-    def install_sigterm(self, save: Optional[Callable[[str], None]] = None) -> None:
+    def install_sigterm(self, save: Optional[Callable[[str], None]] = None,
+                        checkpoint_dir: Optional[str] = None) -> None:
         """Honour ``acco.sigterm``: on SIGTERM only flag the request (it rides along with this
         rank's next round, so every rank learns it when collecting that same round), then call
-        the handler installed before, if it was a Python function."""
+        the handler installed before, if it was a Python function. With 'checkpoint', ``save``
+        is called with ``checkpoint_dir`` (default ``acco.sigterm_checkpoint_dir``; an adapter
+        whose data-parallel groups share one config gives each a directory of its own)."""
         if self.config.sigterm == "off":
             return
         if threading.current_thread() is not threading.main_thread():
             raise ValueError("acco.sigterm needs the engine to be built on the main thread (signal handlers); "
                              "fix: set \"sigterm\": \"off\"")
         self._stop_save = save
+        self._stop_dir = checkpoint_dir or self.config.sigterm_checkpoint_dir
         previous = signal.getsignal(signal.SIGTERM)
         # A weak reference: an engine that is never destroyed must not be kept alive by the
         # process-wide handler chain (its lane and process group are released when it is collected).
@@ -341,11 +346,12 @@ class AccoDriver:
     def _stop(self) -> None:
         cfg = self.config
         self.drain()
-        if cfg.sigterm == "checkpoint" and self._stop_save is not None:
-            self._stop_save(cfg.sigterm_checkpoint_dir)
-        if dist.get_rank() == 0:
+        saved = cfg.sigterm == "checkpoint" and self._stop_save is not None
+        if saved:
+            self._stop_save(self._stop_dir)
+        if self.schedule.rank == 0:  # of the data-parallel group: every group that stops says so
             self.log(f"ACCO: stopping on SIGTERM after {self.host.global_steps} committed steps"
-                        + (f", checkpoint in {cfg.sigterm_checkpoint_dir}" if cfg.sigterm == "checkpoint" else ""))
+                     + (f", checkpoint in {self._stop_dir}" if saved else ""))
         raise SystemExit(143)
 
     def close(self) -> None:

@@ -144,3 +144,23 @@ def resharded_after_forward_to_a_smaller_mesh(p: FSDPParamView) -> bool:
     fp = p._fsdp_param
     return fp.post_forward_mesh_info is not None and fp.post_forward_mesh_info is not fp.mesh_info
 
+
+def keep_user_settings(modules: List[FSDPModule]) -> Callable[[], None]:
+    """Note the resharding and gradient-sync settings of every FSDP parameter group of ``modules``
+    as they are now (after FSDP's lazy initialisation: the root's automatic
+    ``reshard_after_forward=False`` included); returns the function that puts them back. FSDP has
+    no getters for them: ``reshard_after_forward`` lives on as ``post_forward_mesh_info`` (None:
+    False; the group's mesh info: True; another: an int), set by ``set_reshard_after_forward``,
+    which also drops the root's automatic setting (``_auto_reshard_after_forward``)."""
+    states = {id(s): (s, s._auto_reshard_after_forward) for s in (m._get_fsdp_state() for m in modules)}
+    groups = [(pg, pg.post_forward_mesh_info, pg.reshard_after_backward, pg.reduce_grads, pg.all_reduce_grads)
+              for m in modules for pg in param_groups(m)]
+
+    def restore() -> None:
+        for state, auto in states.values():
+            state._auto_reshard_after_forward = auto
+        for pg, post_forward, after_backward, reduce_grads, all_reduce_grads in groups:
+            pg.post_forward_mesh_info = post_forward
+            pg.reshard_after_backward = after_backward
+            pg.reduce_grads, pg.all_reduce_grads = reduce_grads, all_reduce_grads
+    return restore

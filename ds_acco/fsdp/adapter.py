@@ -131,14 +131,28 @@ class AccoFSDP:
                              "a real step on the shards FSDP all-gathers from during that phase (only torch SGD / "
                              "Adam / AdamW have a functional step); fix: use one of those, or the resident layout "
                              "(sharded_params=False)")
-        self.driver.install_sigterm(save=self.save_checkpoint)
+        self.driver.install_sigterm(save=self.save_checkpoint, checkpoint_dir=self.sigterm_checkpoint_dir)
 
     def _take_over_fsdp(self, model: FSDPModule, acco) -> FSDPBuffers:
         """FSDP's gradient sync off and gradients into G through hooks; by default FSDP2 in a
         ZeRO-1-like configuration (resident unsharded parameters, FSDP's re-gather guarded), with
-        ``sharded_params`` FSDP's own resharding and per-layer all-gathers."""
+        ``sharded_params`` FSDP's own resharding and per-layer all-gathers. The user's FSDP settings
+        are noted first and put back by :meth:`close`, or at once if the take-over refuses the model
+        (a caller that falls back to plain FSDP must not train with gradient sync off)."""
         modules = fsdp_internals.fsdp_modules(model)
         fsdp_internals.lazy_init(model)  # root first: it decides the defaults we then override
+        self.modules = modules
+        self.buffers = None
+        self._hooks = []
+        self._remove_guard = lambda: None
+        self._restore_user_settings = fsdp_internals.keep_user_settings(modules)
+        try:
+            return self._configure_fsdp(modules, acco)
+        except BaseException:
+            self._give_back_to_fsdp()
+            raise
+
+    def _configure_fsdp(self, modules: List[FSDPModule], acco) -> FSDPBuffers:
         for m in modules:
             if not self.sharded_params:
                 m.set_reshard_after_forward(False, recurse=False)  # keep the unsharded params resident
@@ -148,7 +162,6 @@ class AccoFSDP:
             m.unshard()  # θ_0 into the unsharded params (this creates them: the hooks go on them)
             if self.sharded_params:
                 m.reshard()  # one module's parameters unsharded at a time
-        self.modules = modules
         self.regather_allowed = False
         self._remove_guard = (lambda: None) if self.sharded_params else fsdp_internals.guard_regather(
             modules, lambda: self.regather_allowed, _REGATHER_REFUSED)
@@ -194,6 +207,7 @@ class AccoFSDP:
                          live_dtype=live_dtype, device=params[0].unsharded.device, estimate_dtype=estimate_dtype)
         self._hooks = [s.param.unsharded.register_post_accumulate_grad_hook(_accumulate_into(s.grad))
                        for s in buffers.slots]
+        self.buffers = buffers
         if isinstance(buffers, FSDPShardedBuffers):
             buffers.reshard = lambda: [m.reshard() for m in modules]
             self._remove_guard = fsdp_internals.guard_reset(params, _RESET_REFUSED)
@@ -255,6 +269,22 @@ class AccoFSDP:
         """Wait for the round in flight (a finished commit counts as committed)."""
         return self.driver.drain()
 
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The process group of the 1-D mesh the model is sharded over (the ranks that build this
+        adapter: the whole world or a subset of it). Checkpoints are collective over it alone."""
+        return self._mesh_group
+
+    @property
+    def sigterm_checkpoint_dir(self) -> Optional[str]:
+        """Where ``acco.sigterm: "checkpoint"`` saves (None without it): ``acco.sigterm_checkpoint_dir``
+        itself when the data-parallel mesh spans the whole world; else its subdirectory
+        ``dp-group-<g>``, ``g`` the global rank of the mesh's rank 0, so that meshes sharing one
+        config (the data-parallel groups of a 2-D mesh) never write into one directory."""
+        from . import checkpoint
+        root = self.acco_config.sigterm_checkpoint_dir
+        return None if root is None else checkpoint.mesh_path(root, self._mesh_group)
+
     def save_checkpoint(self, path: str) -> None:
         """See :func:`ds_acco.fsdp.checkpoint.save`."""
         from . import checkpoint
@@ -267,20 +297,25 @@ class AccoFSDP:
 
     def close(self) -> None:
         """Drain, stop the lane, remove the hooks, and give the model back to plain FSDP at the
-        committed θ (the next forward all-gathers it from the shards)."""
+        committed θ (the next forward all-gathers it from the shards) with the user's own FSDP
+        settings (``reshard_after_forward``, ``reshard_after_backward``, gradient sync)."""
         try:
             self.driver.close()
         finally:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
-            self._remove_guard()
-            if isinstance(self.buffers, FSDPShardedBuffers):
-                self.buffers.restore_fsdp()  # FSDP gathers the committed shards again
-            for m in self.modules:
-                m.reshard()
-                m.set_requires_gradient_sync(True, recurse=False)
-                m.set_reshard_after_backward(True, recurse=False)
+            self._give_back_to_fsdp()
+
+    def _give_back_to_fsdp(self) -> None:
+        """Plain FSDP again, as the user configured it: hooks and guards off, FSDP gathering from
+        the committed shards, parameters sharded, the user's settings back."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._remove_guard()
+        if isinstance(self.buffers, FSDPShardedBuffers):
+            self.buffers.restore_fsdp()  # FSDP gathers the committed shards again
+        for m in self.modules:
+            m.reshard()
+        self._restore_user_settings()
 
 
     def __del__(self):

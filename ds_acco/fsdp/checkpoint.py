@@ -7,12 +7,16 @@ and the optimizer state are the committed θ_t, S_t. Layout of ``path``:
               (the optimizer's per-parameter state), written and read in place through DCP, so
               FSDP's own state-dict hooks (which would re-gather the resident unsharded weights
               from the shards) are never involved;
-  ``acco_rank<r>.pt``  rank r's ACCO in-flight state (``AccoSchedule.state_dict()``: G, the live
-              weights -- possibly the estimate θ̃ -- and B), the optimizer's param-group settings,
-              the LR scheduler and the step counters.
+  ``acco_rank<r>.pt``  the ACCO in-flight state of rank r of the data-parallel mesh
+              (``AccoSchedule.state_dict()``: G, the live weights -- possibly the estimate θ̃ --
+              and B), the optimizer's param-group settings, the LR scheduler and the step counters.
 
-A save is written to ``<path>.acco-partial`` and renamed into place by rank 0 once every rank has
-finished, so a reader sees the old checkpoint or the complete new one.
+Everything runs on the data-parallel mesh's own process group (``AccoFSDP.data_parallel_group``):
+DCP's collectives, the barriers, and the publication. The mesh may span a subset of the world (the
+'dp' dimension of a 2-D mesh, several independent jobs in one world), so another mesh's ranks are
+never waited for; each mesh saves to a path of its own. A save is written to ``<path>.acco-partial``
+and renamed into place by the mesh's rank 0 once every rank of the mesh has finished
+(:func:`ds_acco.core.publish.published`), so a reader sees the old checkpoint or the complete new one.
 """
 from __future__ import annotations
 
@@ -48,33 +52,38 @@ def _dcp_state(acco) -> dict:
     return {"model": model, "optim": optim}
 
 
-def _rank_file(path: str) -> str:
-    return os.path.join(path, f"acco_rank{dist.get_rank()}.pt")
+def _rank_file(path: str, rank: int) -> str:
+    """Where rank ``rank`` of the data-parallel mesh keeps its in-flight state."""
+    return os.path.join(path, f"acco_rank{rank}.pt")
+
+
+def mesh_path(root: str, group: dist.ProcessGroup) -> str:
+    """``root`` for a data-parallel group over the whole world; for a group over a subset of it,
+    ``root/dp-group-<g>`` with ``g`` the global rank of the group's rank 0 (disjoint groups, such
+    as the 'dp' groups of a 2-D mesh, differ in it): one directory per group under one setting."""
+    if dist.get_world_size(group) == dist.get_world_size():
+        return root
+    return os.path.join(root, f"dp-group-{dist.get_global_rank(group, 0)}")
 
 
 def save(acco, path: str) -> None:
-    """Drain, then write the committed shards, the optimizer state and every rank's in-flight state."""
+    """Drain, then write the committed shards, the optimizer state and every rank's in-flight state
+    (collective over the data-parallel mesh: every rank of it calls this with the same ``path``)."""
     acco_state = acco.schedule.state_dict()  # drains: shards and optimizer state are the committed ones
-    scratch = publish.scratch_path(path)
-    if dist.get_rank() == 0:
-        publish.clear_scratch(path)
-    dist.barrier()
+    group = acco.data_parallel_group
     opt = acco.optimizer
-    dcp.save(_dcp_state(acco), checkpoint_id=scratch)
-    extras = {
-        "acco_state": acco_state,
-        "param_groups": [{k: v for k, v in g.items() if k != _GROUP_PARAMS} for g in opt.param_groups],
-        "lr_scheduler": acco.lr_scheduler.state_dict() if acco.lr_scheduler is not None else None,
-        "global_steps": acco.global_steps,
-        "skipped_steps": acco.skipped_steps,
-        "world": dist.get_world_size(),
-        "loss_scaler": None if acco.loss_scaler is None else dict(vars(acco.loss_scaler)),
-    }
-    torch.save(extras, _rank_file(scratch))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        publish.publish(path)
-    dist.barrier()
+    with publish.published(path, group) as scratch:
+        dcp.save(_dcp_state(acco), checkpoint_id=scratch, process_group=group)
+        extras = {
+            "acco_state": acco_state,
+            "param_groups": [{k: v for k, v in g.items() if k != _GROUP_PARAMS} for g in opt.param_groups],
+            "lr_scheduler": acco.lr_scheduler.state_dict() if acco.lr_scheduler is not None else None,
+            "global_steps": acco.global_steps,
+            "skipped_steps": acco.skipped_steps,
+            "world": dist.get_world_size(group),
+            "loss_scaler": None if acco.loss_scaler is None else dict(vars(acco.loss_scaler)),
+        }
+        torch.save(extras, _rank_file(scratch, dist.get_rank(group)))
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer, params) -> None:
@@ -98,8 +107,9 @@ def _init_optimizer_state(opt: torch.optim.Optimizer, params) -> None:
 
 
 def load(acco, path: str) -> None:
-    """Load a checkpoint written by :func:`save` (same world size for the in-flight state; with
-    another world size the committed θ and S are loaded and a fresh ACCO phase starts there)."""
+    """Load a checkpoint written by :func:`save` (collective over the data-parallel mesh; the same
+    mesh size for the in-flight state; with another size the committed θ and S are loaded and a
+    fresh ACCO phase starts there)."""
     schedule = acco.schedule
     schedule.drain()
     opt = acco.optimizer
@@ -117,7 +127,8 @@ def load(acco, path: str) -> None:
                 del state["optim"][f"{fqn}.{k}"]
         if not entries:
             del opt.state[fp.sharded]
-    dcp.load(state, checkpoint_id=path)  # in place into the DTensor shards and state tensors
+    group = acco.data_parallel_group
+    dcp.load(state, checkpoint_id=path, process_group=group)  # in place into the DTensor shards and state tensors
     for fqn, fp in _fqns(acco):  # non-tensor entries come back as new objects
         if fp.sharded not in opt.state:
             continue
@@ -125,9 +136,9 @@ def load(acco, path: str) -> None:
         for k in list(entries):
             if not torch.is_tensor(entries[k]):
                 entries[k] = state["optim"][f"{fqn}.{k}"]
-    rank_file = _rank_file(path)
+    rank_file = _rank_file(path, dist.get_rank(group))
     mine = os.path.exists(rank_file)  # absent when the checkpoint had fewer ranks
-    extras = torch.load(rank_file if mine else os.path.join(path, "acco_rank0.pt"), weights_only=False)
+    extras = torch.load(rank_file if mine else _rank_file(path, 0), weights_only=False)
     for g, values in zip(opt.param_groups, extras["param_groups"]):
         g.update(values)
     if acco.lr_scheduler is not None and extras["lr_scheduler"] is not None:

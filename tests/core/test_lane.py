@@ -62,3 +62,28 @@ def test_stop_nowait_without_a_worker_runs_then_here():
     order = []
     lane.stop_nowait(then=lambda: order.append("then"))
     assert order == ["then"]
+
+
+def test_after_a_wait_runs_out_nothing_waits_on_the_lane_again(monkeypatch):
+    from ds_acco.comm import lane as lane_module
+    lane = CommLane(timeout_s=0.2)
+    release = threading.Event()
+    stalled = lane.submit("commit 7", lambda: release.wait(30))
+    with pytest.raises(CommTimeoutError, match="'commit 7' did not finish"):
+        lane.wait(stalled)
+    queued = lane.submit("estimate 8", lambda: "θ̃")
+
+    def no_wait(*args, **kwargs):
+        raise AssertionError("waited on a lane known broken")
+    monkeypatch.setattr(lane_module, "futures", type("NoWaits", (), {"wait": staticmethod(no_wait)}))
+    with pytest.raises(CommTimeoutError, match="'estimate 8' is not finished.*'commit 7' already ran out"):
+        lane.wait(queued)
+    thread = lane._thread
+    monkeypatch.setattr(thread, "join", no_wait)
+    lane.close()
+    assert lane.stuck
+    release.set()  # the peers come after all: the queued round still ends, and its result is collected
+    monkeypatch.undo()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert lane.wait(queued) == "θ̃"
