@@ -238,6 +238,8 @@ class CommLane:
         thread = self._stopping
         if thread is None or thread is threading.current_thread():
             return thread is None
+        if self.timed_out is not None:  # broken: its worker is stuck in that round, waited for once already
+            return not thread.is_alive()
         thread.join(timeout)
         return not thread.is_alive()
 

@@ -600,6 +600,8 @@ def _join_abandoned_lanes() -> None:
     collective."""
     import sys
     for lane in list(_ABANDONED_LANES):
+        if lane.timed_out is not None:
+            continue  # broken: its round already ran out of comm_timeout_s and was reported then
         if not lane.join_stopping(lane.timeout_s):
             print(f"ds_acco: at exit, a round of an engine collected without destroy() did not finish within "
                   f"acco.comm_timeout_s = {lane.timeout_s:g} s; exiting without it", file=sys.stderr, flush=True)
