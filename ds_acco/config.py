@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal, Mapping, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -255,15 +256,130 @@ UNEVEN_STEPS = {
 }
 
 
+LOCKSTEP_WHY = ("it gives each rank its own number of micro-batches per phase, but every micro-batch runs collectives "
+                "with the other ranks, which must all compute the same micro-batches")
+LOCKSTEP_FIX = "set \"accumulation\": \"fixed\""
+
+
 def check_lockstep(acco: AccoConfig, collective: str) -> None:
     """Refuses per-rank phase lengths ('dynamic', 'shared') where every micro-batch's forward or
     backward runs collectives with other ranks (``collective`` says which): those pair by issue
     order, so a rank that computes one micro-batch more than its peers would pair its collectives
     with theirs of another phase (a hang, or weights gathered from different phases' sources)."""
     if acco.accumulation in ("dynamic", "shared"):
-        raise ValueError(f"acco.accumulation = {acco.accumulation!r} with {collective}: it gives each rank its own "
-                         "number of micro-batches per phase, but every micro-batch runs collectives with the other "
-                         "ranks, which must all compute the same micro-batches; fix: set \"accumulation\": \"fixed\"")
+        raise ValueError(f"acco.accumulation = {acco.accumulation!r} with {collective}: {LOCKSTEP_WHY}; "
+                         f"fix: {LOCKSTEP_FIX}")
+
+
+# -- parallel layouts: what ACCO refuses, why, and the fix -----------------------------------------
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The parallelism a DeepSpeed engine runs under: as the engine built it (its groups), or,
+    before it exists, as the caller asked for it (its ``mpu``, the config). Each size comes with
+    where it was read (``*_from``), which the refusals quote."""
+
+    tensor_parallel: int = 1
+    tensor_parallel_from: str = ""
+    pipeline_parallel: int = 1
+    pipeline_parallel_from: str = ""
+    sequence_parallel: int = 1  # DeepSpeed-Ulysses: ZeRO reduces over the sequence-data-parallel group
+    sequence_parallel_from: str = ""
+    sequence_parallel_params: tuple = ()  # Megatron --sequence-parallel: names of params marked sequence_parallel
+    expert_params: tuple = ()  # MoE experts (param.allreduce = False): names
+    caller_sets_boundary: bool = False  # Megatron-style caller: its mpu, or a scheduler stepped with increment=
+
+
+@dataclass(frozen=True)
+class LayoutRefusal:
+    """One row of :data:`LAYOUT_REFUSALS`: ``found(acco, layout)`` names the setting it refuses
+    (None: the row does not apply); ``why`` and ``fix`` may use ``{accumulation}`` and
+    ``{uneven_steps}`` (the policy's reason from :data:`UNEVEN_STEPS`)."""
+
+    what: str
+    found: Callable[[AccoConfig, ParallelLayout], Optional[str]]
+    why: str
+    fix: str
+
+    def message(self, acco: AccoConfig, found: str) -> str:
+        fields = {"accumulation": acco.accumulation, "uneven_steps": UNEVEN_STEPS.get(acco.accumulation, "")}
+        return f"{found}: {self.why.format(**fields)}; fix: {self.fix.format(**fields)}"
+
+
+def _per_rank_phases(acco: AccoConfig) -> bool:
+    return acco.accumulation in ("dynamic", "shared")
+
+
+LAYOUT_REFUSALS = (
+    LayoutRefusal(
+        "pipeline parallelism",
+        lambda a, l: l.pipeline_parallel > 1 and (
+            f"acco.enabled = true with pipeline parallelism: {l.pipeline_parallel_from} = {l.pipeline_parallel}"),
+        "ACCO runs on DeepSpeed's ZeRO-1 engine, not its pipeline engine, which schedules its own micro-batches "
+        "and reduces per stage",
+        "run with --pipeline-model-parallel-size 1 --no-pipeline-parallel (tensor parallelism is supported), or "
+        "disable acco"),
+    LayoutRefusal(
+        "sequence parallelism (DeepSpeed-Ulysses)",
+        lambda a, l: l.sequence_parallel > 1 and (
+            f"acco.enabled = true with sequence parallelism: {l.sequence_parallel_from} = {l.sequence_parallel}"),
+        "ZeRO then reduces over the sequence-data-parallel group, which ACCO's rounds do not support yet",
+        "--ds-sequence-parallel-size 1 (no sequence_parallel_size in the config, no sequence-parallel mesh; tensor "
+        "parallelism is supported), or disable acco"),
+    LayoutRefusal(
+        "Megatron's sequence parallelism (--sequence-parallel)",
+        lambda a, l: l.tensor_parallel > 1 and l.sequence_parallel_params and (
+            f"acco.enabled = true with Megatron's sequence parallelism: {len(l.sequence_parallel_params)} parameters "
+            f"marked sequence_parallel = True (e.g. {l.sequence_parallel_params[0]!r}) under tensor parallelism "
+            f"({l.tensor_parallel_from} = {l.tensor_parallel})"),
+        "each tensor-parallel rank computes the gradients of those parameters (layer norms, row-parallel biases) "
+        "on its own slice of the sequence, so they must be summed over the tensor-parallel group before the "
+        "optimizer step; Megatron does that in its own optimizer (reduce_model_grads), which its train_step skips "
+        "under --deepspeed, and neither DeepSpeed's ZeRO nor ACCO does it, so the tensor-parallel copies of those "
+        "parameters would drift apart",
+        "run without --sequence-parallel (tensor parallelism alone is supported), or disable acco"),
+    LayoutRefusal(
+        "MoE experts",
+        lambda a, l: bool(l.expert_params) and (
+            f"acco.enabled = true with MoE expert parameters ({len(l.expert_params)}, e.g. {l.expert_params[0]!r}: "
+            "param.allreduce = False)"),
+        "ACCO does not partition expert groups",
+        "train the MoE model with stock ZeRO (disable acco)"),
+    LayoutRefusal(
+        "per-rank phase lengths under tensor parallelism",
+        lambda a, l: _per_rank_phases(a) and l.tensor_parallel > 1 and (
+            f"acco.accumulation = {a.accumulation!r} with tensor parallelism "
+            f"({l.tensor_parallel_from} = {l.tensor_parallel}: every forward and backward runs collectives over "
+            "the tensor-parallel group)"),
+        LOCKSTEP_WHY,
+        LOCKSTEP_FIX),
+    LayoutRefusal(
+        "per-rank phase lengths with a caller that sets the accumulation boundary",
+        lambda a, l: _per_rank_phases(a) and l.caller_sets_boundary and (
+            f"acco.accumulation = {a.accumulation!r} with a caller that sets the accumulation boundary and calls "
+            "step() once per iteration (Megatron-DeepSpeed's train_step)"),
+        "the caller counts one optimizer step, one lr_kwargs increment and one global batch per iteration of A "
+        "micro-batches on every rank, while {uneven_steps}",
+        "use \"accumulation\": \"fixed\" (the same batches and steps as stock), or drive the engine with "
+        "engine.backward + engine.step per micro-batch and loop on engine.global_steps"),
+)
+
+
+def check_layout(acco: AccoConfig, layout: ParallelLayout) -> None:
+    """Raise the first :data:`LAYOUT_REFUSALS` row that applies to an enabled ``acco`` under
+    ``layout`` (a ``ValueError`` with the setting found, the reason and the fix)."""
+    if not acco.enabled:
+        return
+    for row in LAYOUT_REFUSALS:
+        found = row.found(acco, layout)
+        if found:
+            raise ValueError(row.message(acco, found))
+
+
+def caller_boundary_refusal(accumulation: str) -> str:
+    """The refusal of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
+    acco = AccoConfig(enabled=True, accumulation=accumulation)
+    row = LAYOUT_REFUSALS[-1]
+    return row.message(acco, row.found(acco, ParallelLayout(caller_sets_boundary=True)))
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -345,3 +461,4 @@ def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
                          "fix: remove zenflow or disable acco")
     if getattr(ds, "hybrid_engine", None) is not None and ds.hybrid_engine.enabled:
         raise ValueError("hybrid_engine.enabled = true: not supported with ACCO; fix: disable one of them")
+

@@ -19,8 +19,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
-from ..config import (UNEVEN_STEPS, AccoConfig, acco_config_of, check_deepspeed_compat, check_lockstep,
-                      load_ds_config)
+from ..config import (AccoConfig, ParallelLayout, acco_config_of, caller_boundary_refusal, check_deepspeed_compat,
+                      check_layout, load_ds_config)
 from ..core import publish
 from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
@@ -51,6 +51,7 @@ class AccoEngine(DeepSpeedEngine):
         if config_class is not None:
             check_deepspeed_compat(acco_config, config_class)
         self._acco_config = acco_config
+        self._acco_client_mpu = kwargs.get("mpu")  # AutoTP replaces engine.mpu with DeepSpeed's groups module
         self._acco_lr_kwargs = None
         self._acco_weight = 1.0
         # Megatron-style callers set the accumulation boundary themselves and call step() once per
@@ -95,6 +96,12 @@ class AccoEngine(DeepSpeedEngine):
                            "no communication round overlaps compute on a GPU; fix: remove them for training runs")
 
     # -- construction seam ----------------------------------------------------------------------
+    def _configure_distributed_model(self, model):
+        super()._configure_distributed_model(model)
+        # DeepSpeed's groups exist now, however they were built (a user mpu, AutoTP, tp_model_init, a
+        # mesh): refuse what ACCO does not support from what was built, before the ZeRO optimizer.
+        check_layout(self._acco_config, _built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler))
+
     def _configure_zero_optimizer(self, optimizer):
         cfg = self._acco_config
         comm_dtype = self._config.communication_data_type  # explicit setting only; else G's dtype
@@ -394,61 +401,77 @@ def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict
                             "the \"acco\" block (or gradient_accumulation_steps / fp16)")
 
 
-def _refuse_model_parallelism(model, mpu) -> None:
-    """Tensor parallelism is supported (rounds on the data-parallel group, the norm and the skip
-    over the model-parallel group as stock). Refused: pipeline parallelism (DeepSpeed's pipeline
-    engine schedules its own micro-batches and reduces per stage), sequence parallelism (ZeRO then
-    reduces over a sequence-data-parallel group ACCO is not tested on) and MoE experts (their
-    parameters are partitioned over expert groups)."""
-    def size(name):
+def _size(mpu, *names) -> tuple:
+    """The first of ``names`` the mpu answers: (its value, where it was read)."""
+    for name in names:
         fn = getattr(mpu, name, None)
-        return int(fn()) if callable(fn) else 1
-    if mpu is not None:
-        if size("get_pipeline_model_parallel_world_size") > 1:
-            raise ValueError("acco.enabled = true with pipeline parallelism: mpu.get_pipeline_model_parallel_world_size() "
-                             f"= {size('get_pipeline_model_parallel_world_size')}; ACCO runs on DeepSpeed's ZeRO-1 "
-                             "engine, not its pipeline engine; fix: run with --pipeline-model-parallel-size 1 "
-                             "--no-pipeline-parallel (tensor parallelism is supported), or disable acco")
-        if size("get_sequence_parallel_world_size") > 1:
-            raise ValueError("acco.enabled = true with sequence parallelism: mpu.get_sequence_parallel_world_size() = "
-                             f"{size('get_sequence_parallel_world_size')}; ZeRO then reduces over the "
-                             "sequence-data-parallel group, which ACCO does not support yet; fix: "
-                             "--ds-sequence-parallel-size 1 (tensor parallelism is supported), or disable acco")
-    if hasattr(model, "named_parameters"):
-        from deepspeed.moe.utils import is_moe_param
-        experts = [n for n, p in model.named_parameters() if is_moe_param(p)]
-        if experts:
-            raise ValueError(f"acco.enabled = true with MoE expert parameters ({len(experts)}, e.g. {experts[0]!r}: "
-                             "param.allreduce = False); ACCO does not partition expert groups; fix: train the MoE "
-                             "model with stock ZeRO (disable acco)")
+        if callable(fn):
+            return int(fn()), f"mpu.{name}()"
+    return 1, ""
 
 
-def _caller_boundary_refusal(accumulation: str) -> str:
-    return (f"acco.accumulation = {accumulation!r} with a caller that sets the accumulation boundary and calls "
-            "step() once per iteration (Megatron-DeepSpeed's train_step): the caller counts one optimizer step, "
-            "one lr_kwargs increment and one global batch per iteration of A micro-batches on every rank, while "
-            f"{UNEVEN_STEPS[accumulation]}; fix: use \"accumulation\": \"fixed\" (the same batches and steps as "
-            "stock), or drive the engine with engine.backward + engine.step per micro-batch and loop on "
-            "engine.global_steps")
+def _marked_params(model) -> tuple:
+    """Names of the parameters marked as Megatron sequence-parallel, and of MoE expert parameters."""
+    if not hasattr(model, "named_parameters"):
+        return (), ()
+    from deepspeed.moe.utils import is_moe_param
+    named = list(model.named_parameters())
+    return (tuple(n for n, p in named if getattr(p, "sequence_parallel", False) is True),
+            tuple(n for n, p in named if is_moe_param(p)))
 
 
-def _refuse_dynamic_under_megatron(acco: AccoConfig, mpu, lr_scheduler) -> None:
-    """Megatron-DeepSpeed passes its ``mpu`` (with --no-pipeline-parallel) and a scheduler stepped
-    with ``increment=``: refuse dynamic and shared accumulation there, before any engine is built."""
-    if acco.accumulation == "fixed":
-        return
-    tp = getattr(mpu, "get_model_parallel_world_size", None)
-    if callable(tp) and int(tp()) > 1:  # the first reason, for any caller
-        check_lockstep(acco, f"tensor parallelism (mpu.get_model_parallel_world_size() = {int(tp())}: every forward "
-                             "and backward runs collectives over the tensor-parallel group)")
+def _steps_with_increment(lr_scheduler) -> bool:
+    """Megatron's scheduler is stepped with ``increment=``: a caller that counts its own batches."""
     import inspect
     step = getattr(lr_scheduler, "step", None)
     try:
-        increments = step is not None and "increment" in inspect.signature(step).parameters
+        return step is not None and "increment" in inspect.signature(step).parameters
     except (TypeError, ValueError):
-        increments = False
-    if mpu is not None or increments:
-        raise ValueError(_caller_boundary_refusal(acco.accumulation))
+        return False
+
+
+def _requested_layout(model, raw: Optional[dict], mpu, lr_scheduler, mesh_param) -> ParallelLayout:
+    """The layout the caller asks for, read before any engine or process group exists: its mpu,
+    the config's ``tensor_parallel.autotp_size`` / ``sequence_parallel_size``, ``mesh_param``."""
+    raw = raw or {}
+    tp, tp_from = _size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    autotp = (raw.get("tensor_parallel") or {}).get("autotp_size") or 0
+    if isinstance(autotp, int) and autotp > 1:
+        tp, tp_from = autotp, "AutoTP: tensor_parallel.autotp_size"
+    pp, pp_from = _size(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
+    sp, sp_from = _size(mpu, "get_sequence_parallel_world_size")
+    if sp <= 1 and isinstance(raw.get("sequence_parallel_size"), int):
+        sp, sp_from = raw["sequence_parallel_size"], "sequence_parallel_size"
+    if sp <= 1 and mesh_param:
+        sp, sp_from = int(mesh_param[1]), "mesh_param[1] (the sequence-parallel size of the mesh)"
+    sequence_parallel_params, expert_params = _marked_params(model)
+    return ParallelLayout(tensor_parallel=tp, tensor_parallel_from=tp_from, pipeline_parallel=pp,
+                          pipeline_parallel_from=pp_from, sequence_parallel=sp, sequence_parallel_from=sp_from,
+                          sequence_parallel_params=sequence_parallel_params, expert_params=expert_params,
+                          caller_sets_boundary=mpu is not None or _steps_with_increment(lr_scheduler))
+
+
+def _built_layout(engine: DeepSpeedEngine, model, mpu, lr_scheduler) -> ParallelLayout:
+    """The layout ``engine`` built: DeepSpeed's groups as the engine read them in
+    ``_configure_distributed_model`` (model-parallel and sequence-parallel sizes, the data-parallel
+    group ZeRO reduces over), whatever built them (an mpu, AutoTP, ``tp_model_init``, a mesh)."""
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
+    autotp = engine.autotp_size()
+    tp_from = "AutoTP's model-parallel group size" if autotp > 1 else "the engine's model-parallel group size"
+    sp, sp_from = engine.sequence_parallel_size, "the engine's sequence-parallel group size"
+    if sp <= 1 and engine.seq_dp_world_size != engine.dp_world_size:
+        sp, sp_from = engine.seq_dp_world_size // max(1, engine.dp_world_size), (
+            "the engine's sequence-data-parallel group size / data-parallel group size")
+    sequence_parallel_params, expert_params = _marked_params(model)
+    return ParallelLayout(tensor_parallel=engine.mp_world_size, tensor_parallel_from=tp_from,
+                          pipeline_parallel=bwc_pipeline_parallel_world_size(engine.mpu),
+                          pipeline_parallel_from="the engine's mpu pipeline-parallel size", sequence_parallel=sp,
+                          sequence_parallel_from=sp_from, sequence_parallel_params=sequence_parallel_params,
+                          expert_params=expert_params,
+                          caller_sets_boundary=mpu is not None or _steps_with_increment(lr_scheduler))
+
+
+_caller_boundary_refusal = caller_boundary_refusal  # AccoEngine.set_gradient_accumulation_boundary raises it
 
 
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
@@ -463,9 +486,10 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
                         "deepspeed.initialize")
     raw = load_ds_config(config if config is not None else config_params, args)
     acco = acco_config_of(raw)
-    if acco.enabled:
-        _refuse_model_parallelism(model, kwargs.get("mpu"))
-        _refuse_dynamic_under_megatron(acco, kwargs.get("mpu"), kwargs.get("lr_scheduler"))
+    # Refused before any process group or engine exists, from what the caller passed; AccoEngine checks
+    # again what DeepSpeed built (_configure_distributed_model).
+    check_layout(acco, _requested_layout(model, raw, kwargs.get("mpu"), kwargs.get("lr_scheduler"),
+                                         kwargs.get("mesh_param")))
     _check_same_on_all_ranks(acco, raw, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
