@@ -5,8 +5,10 @@ ignores unknown top-level keys, so nothing but this module ever reads the block.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
@@ -198,18 +200,40 @@ def _submodel(field):
 
 
 def load_ds_config(config: Any = None, args: Any = None) -> Optional[dict]:
-    """Resolve a DeepSpeed config the way ``deepspeed.initialize`` does: a dict, a JSON path,
-    or ``args.deepspeed_config``. Returns None when none was given (DeepSpeed will complain)."""
+    """Resolve a DeepSpeed config the way ``deepspeed.initialize`` does: a dict, a path to a JSON
+    (or HJSON) file, a base64-encoded JSON string (DeepSpeed's autotuner passes those), or
+    ``args.deepspeed_config``. Returns None when none was given (DeepSpeed will complain); raises
+    ``OSError`` for a path that does not exist, ``ValueError`` for text that does not parse."""
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if config is None:
         return None
     if isinstance(config, Mapping):
         return dict(config)
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, os.PathLike) or (isinstance(config, str) and os.path.exists(config)):
         with open(config) as f:
-            return json.load(f)
-    raise ValueError(f"DeepSpeed config must be a dict or a path to a JSON file, got {type(config).__name__}")
+            return _parse_config_text(f.read())
+    if isinstance(config, str):
+        try:  # not a file: DeepSpeed then reads it as base64
+            found = _parse_config_text(base64.urlsafe_b64decode(config).decode("utf-8"))
+        except (ValueError, ImportError):  # binascii.Error, UnicodeDecodeError and parse errors are ValueErrors
+            found = None
+        if not isinstance(found, Mapping):
+            raise FileNotFoundError(f"no such DeepSpeed config file: {config!r} (nor is it base64-encoded JSON)")
+        return dict(found)
+    raise ValueError(f"DeepSpeed config must be a dict, a path to a JSON file or base64-encoded JSON, got "
+                     f"{type(config).__name__}")
+
+
+def _parse_config_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import hjson  # DeepSpeed parses configs as HJSON (a superset of JSON); installed with it
+        except ImportError:
+            raise
+        return hjson.loads(text)
 
 
 def acco_config_of(ds_config: Optional[Mapping[str, Any]]) -> AccoConfig:
@@ -462,3 +486,59 @@ def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
     if getattr(ds, "hybrid_engine", None) is not None and ds.hybrid_engine.enabled:
         raise ValueError("hybrid_engine.enabled = true: not supported with ACCO; fix: disable one of them")
 
+
+# -- an enabled block that would train stock ---------------------------------------------------------
+OPT_OUT_ENV = "DS_ACCO"  # DS_ACCO=off: an enabled "acco" block is ignored, DeepSpeed trains stock ZeRO
+_opt_out_noted = False
+
+
+def opted_out(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``DS_ACCO=off`` is set: a user who shares one config between stock and ACCO runs
+    trains stock with it on purpose. Any other non-empty value is an error naming the variable."""
+    value = (os.environ if environ is None else environ).get(OPT_OUT_ENV, "").strip()
+    if value.lower() == "off":
+        return True
+    if value:
+        raise ValueError(f"{OPT_OUT_ENV} = {value!r}: unknown value; fix: {OPT_OUT_ENV}=off to train stock DeepSpeed "
+                         "ZeRO with a config whose \"acco\" block is enabled, or unset it (ACCO then runs where the "
+                         "launch routes to ds_acco: python -m ds_acco run, DS_ACCO_INSTALL=1, ds_acco.install())")
+    return False
+
+
+def note_opt_out(rank: Optional[int] = None) -> None:
+    """Say once per process, on rank 0, that ``DS_ACCO=off`` set an enabled block aside."""
+    global _opt_out_noted
+    if _opt_out_noted:
+        return
+    _opt_out_noted = True
+    if rank is None:
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(f"ds_acco: {OPT_OUT_ENV}=off: the config's \"acco\" block is enabled but ignored; DeepSpeed trains "
+              "stock ZeRO", file=sys.stderr, flush=True)
+
+
+RUN_THROUGH_DS_ACCO = ("launch the script through ds_acco: `python -m ds_acco run SCRIPT.py ARGS` (`torchrun ... -m "
+                       "ds_acco run SCRIPT.py ARGS`, `deepspeed ... --module ds_acco run SCRIPT.py ARGS`, "
+                       "`accelerate launch -m ds_acco run SCRIPT.py ARGS`), or set DS_ACCO_INSTALL=1 in its "
+                       "environment, or call `import ds_acco; ds_acco.install()` before the code that builds the "
+                       "engine (or ds_acco.initialize instead of deepspeed.initialize)")
+
+
+def stock_engine_refusal(engine_class: str, routing_installed: bool) -> str:
+    """Why a stock ``engine_class`` must not be built from a config whose ``"acco"`` block is
+    enabled, and the launch fix: DeepSpeed ignores the block, so the run would measure stock ZeRO."""
+    head = (f"this DeepSpeed config has \"{ACCO_KEY}\": {{\"enabled\": true}}, but the engine being built is a stock "
+            f"{engine_class}: DeepSpeed ignores the \"{ACCO_KEY}\" block, so this run would train stock ZeRO without "
+            "ACCO")
+    if routing_installed:
+        why = ("; ds_acco.install() is in effect, but this engine did not come through it: a deepspeed.initialize "
+               "looked up before install() (e.g. `from deepspeed import initialize` in a module imported earlier), "
+               "or an engine constructed directly; fix: call ds_acco.install() before the training code imports "
+               "deepspeed (or launch through `python -m ds_acco run` or DS_ACCO_INSTALL=1, which install it as "
+               "deepspeed is imported), or build the engine with ds_acco.initialize")
+    else:
+        why = f"; fix: {RUN_THROUGH_DS_ACCO}"
+    return (f"{head}{why}. To train stock ZeRO with this config on purpose, set {OPT_OUT_ENV}=off (or "
+            f"\"{ACCO_KEY}\": {{\"enabled\": false}}).")

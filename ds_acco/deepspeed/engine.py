@@ -20,7 +20,7 @@ from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
 from ..config import (AccoConfig, ParallelLayout, acco_config_of, caller_boundary_refusal, check_deepspeed_compat,
-                      check_layout, load_ds_config)
+                      check_layout, load_ds_config, note_opt_out, opted_out)
 from ..core import publish
 from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
@@ -478,14 +478,17 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
     """Same parameters and return value as ``deepspeed.initialize``.
 
     With ``"acco": {"enabled": true}`` in the config the engine is an :class:`AccoEngine` and
-    ``engine.optimizer`` an :class:`AccoZeroOptimizer`; otherwise this *is*
-    ``deepspeed.initialize`` (the A/B switch).
+    ``engine.optimizer`` an :class:`AccoZeroOptimizer`; otherwise (or with ``DS_ACCO=off`` in the
+    environment) this *is* ``deepspeed.initialize`` (the A/B switch).
     """
     if pos:
         raise TypeError("ds_acco.initialize takes keyword arguments after 'args' and 'model', like "
                         "deepspeed.initialize")
     raw = load_ds_config(config if config is not None else config_params, args)
     acco = acco_config_of(raw)
+    if acco.enabled and opted_out():  # DS_ACCO=off: one config shared by stock and ACCO runs, this one stock
+        note_opt_out()
+        acco = acco.model_copy(update={"enabled": False})
     # Refused before any process group or engine exists, from what the caller passed; AccoEngine checks
     # again what DeepSpeed built (_configure_distributed_model).
     check_layout(acco, _requested_layout(model, raw, kwargs.get("mpu"), kwargs.get("lr_scheduler"),
