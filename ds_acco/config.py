@@ -388,6 +388,59 @@ LAYOUT_REFUSALS = (
 )
 
 
+def _size(mpu, *names) -> tuple:
+    """The first of ``names`` the mpu answers: (its value, where it was read)."""
+    for name in names:
+        fn = getattr(mpu, name, None)
+        if callable(fn):
+            return int(fn()), f"mpu.{name}()"
+    return 1, ""
+
+
+def marked_params(model) -> tuple:
+    """Names of the parameters marked as Megatron sequence-parallel, and of MoE expert parameters
+    (DeepSpeed's ``is_moe_param``; DeepSpeed is imported only when there is a model to read)."""
+    if not hasattr(model, "named_parameters"):
+        return (), ()
+    from deepspeed.moe.utils import is_moe_param
+    named = list(model.named_parameters())
+    return (tuple(n for n, p in named if getattr(p, "sequence_parallel", False) is True),
+            tuple(n for n, p in named if is_moe_param(p)))
+
+
+def steps_with_increment(lr_scheduler) -> bool:
+    """Megatron's scheduler is stepped with ``increment=``: a caller that counts its own batches."""
+    import inspect
+    step = getattr(lr_scheduler, "step", None)
+    try:
+        return step is not None and "increment" in inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def requested_layout(raw: Optional[Mapping[str, Any]], mpu: Any = None, model: Any = None, lr_scheduler: Any = None,
+                     mesh_param: Any = None) -> ParallelLayout:
+    """The layout a ``deepspeed.initialize`` call asks for, read before any engine or process group
+    exists: its ``mpu``, the config's ``tensor_parallel.autotp_size`` / ``sequence_parallel_size``,
+    ``mesh_param``, the model's marked parameters, a scheduler stepped with ``increment=``."""
+    raw = raw or {}
+    tp, tp_from = _size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    autotp = (raw.get("tensor_parallel") or {}).get("autotp_size") or 0
+    if isinstance(autotp, int) and autotp > 1:
+        tp, tp_from = autotp, "AutoTP: tensor_parallel.autotp_size"
+    pp, pp_from = _size(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
+    sp, sp_from = _size(mpu, "get_sequence_parallel_world_size")
+    if sp <= 1 and isinstance(raw.get("sequence_parallel_size"), int):
+        sp, sp_from = raw["sequence_parallel_size"], "sequence_parallel_size"
+    if sp <= 1 and mesh_param:
+        sp, sp_from = int(mesh_param[1]), "mesh_param[1] (the sequence-parallel size of the mesh)"
+    sequence_parallel_params, expert_params = marked_params(model)
+    return ParallelLayout(tensor_parallel=tp, tensor_parallel_from=tp_from, pipeline_parallel=pp,
+                          pipeline_parallel_from=pp_from, sequence_parallel=sp, sequence_parallel_from=sp_from,
+                          sequence_parallel_params=sequence_parallel_params, expert_params=expert_params,
+                          caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
+
+
 def check_layout(acco: AccoConfig, layout: ParallelLayout) -> None:
     """Raise the first :data:`LAYOUT_REFUSALS` row that applies to an enabled ``acco`` under
     ``layout`` (a ``ValueError`` with the setting found, the reason and the fix)."""

@@ -20,7 +20,8 @@ from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
 from ..config import (AccoConfig, ParallelLayout, acco_config_of, caller_boundary_refusal, check_deepspeed_compat,
-                      check_layout, load_ds_config, note_opt_out, opted_out)
+                      check_layout, load_ds_config, marked_params, note_opt_out, opted_out, requested_layout,
+                      steps_with_increment)
 from ..core import publish
 from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
@@ -401,56 +402,6 @@ def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict
                             "the \"acco\" block (or gradient_accumulation_steps / fp16)")
 
 
-def _size(mpu, *names) -> tuple:
-    """The first of ``names`` the mpu answers: (its value, where it was read)."""
-    for name in names:
-        fn = getattr(mpu, name, None)
-        if callable(fn):
-            return int(fn()), f"mpu.{name}()"
-    return 1, ""
-
-
-def _marked_params(model) -> tuple:
-    """Names of the parameters marked as Megatron sequence-parallel, and of MoE expert parameters."""
-    if not hasattr(model, "named_parameters"):
-        return (), ()
-    from deepspeed.moe.utils import is_moe_param
-    named = list(model.named_parameters())
-    return (tuple(n for n, p in named if getattr(p, "sequence_parallel", False) is True),
-            tuple(n for n, p in named if is_moe_param(p)))
-
-
-def _steps_with_increment(lr_scheduler) -> bool:
-    """Megatron's scheduler is stepped with ``increment=``: a caller that counts its own batches."""
-    import inspect
-    step = getattr(lr_scheduler, "step", None)
-    try:
-        return step is not None and "increment" in inspect.signature(step).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _requested_layout(model, raw: Optional[dict], mpu, lr_scheduler, mesh_param) -> ParallelLayout:
-    """The layout the caller asks for, read before any engine or process group exists: its mpu,
-    the config's ``tensor_parallel.autotp_size`` / ``sequence_parallel_size``, ``mesh_param``."""
-    raw = raw or {}
-    tp, tp_from = _size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
-    autotp = (raw.get("tensor_parallel") or {}).get("autotp_size") or 0
-    if isinstance(autotp, int) and autotp > 1:
-        tp, tp_from = autotp, "AutoTP: tensor_parallel.autotp_size"
-    pp, pp_from = _size(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
-    sp, sp_from = _size(mpu, "get_sequence_parallel_world_size")
-    if sp <= 1 and isinstance(raw.get("sequence_parallel_size"), int):
-        sp, sp_from = raw["sequence_parallel_size"], "sequence_parallel_size"
-    if sp <= 1 and mesh_param:
-        sp, sp_from = int(mesh_param[1]), "mesh_param[1] (the sequence-parallel size of the mesh)"
-    sequence_parallel_params, expert_params = _marked_params(model)
-    return ParallelLayout(tensor_parallel=tp, tensor_parallel_from=tp_from, pipeline_parallel=pp,
-                          pipeline_parallel_from=pp_from, sequence_parallel=sp, sequence_parallel_from=sp_from,
-                          sequence_parallel_params=sequence_parallel_params, expert_params=expert_params,
-                          caller_sets_boundary=mpu is not None or _steps_with_increment(lr_scheduler))
-
-
 def _built_layout(engine: DeepSpeedEngine, model, mpu, lr_scheduler) -> ParallelLayout:
     """The layout ``engine`` built: DeepSpeed's groups as the engine read them in
     ``_configure_distributed_model`` (model-parallel and sequence-parallel sizes, the data-parallel
@@ -462,13 +413,13 @@ def _built_layout(engine: DeepSpeedEngine, model, mpu, lr_scheduler) -> Parallel
     if sp <= 1 and engine.seq_dp_world_size != engine.dp_world_size:
         sp, sp_from = engine.seq_dp_world_size // max(1, engine.dp_world_size), (
             "the engine's sequence-data-parallel group size / data-parallel group size")
-    sequence_parallel_params, expert_params = _marked_params(model)
+    sequence_parallel_params, expert_params = marked_params(model)
     return ParallelLayout(tensor_parallel=engine.mp_world_size, tensor_parallel_from=tp_from,
                           pipeline_parallel=bwc_pipeline_parallel_world_size(engine.mpu),
                           pipeline_parallel_from="the engine's mpu pipeline-parallel size", sequence_parallel=sp,
                           sequence_parallel_from=sp_from, sequence_parallel_params=sequence_parallel_params,
                           expert_params=expert_params,
-                          caller_sets_boundary=mpu is not None or _steps_with_increment(lr_scheduler))
+                          caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
 
 
 _caller_boundary_refusal = caller_boundary_refusal  # AccoEngine.set_gradient_accumulation_boundary raises it
@@ -491,8 +442,8 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
         acco = acco.model_copy(update={"enabled": False})
     # Refused before any process group or engine exists, from what the caller passed; AccoEngine checks
     # again what DeepSpeed built (_configure_distributed_model).
-    check_layout(acco, _requested_layout(model, raw, kwargs.get("mpu"), kwargs.get("lr_scheduler"),
-                                         kwargs.get("mesh_param")))
+    check_layout(acco, requested_layout(raw, kwargs.get("mpu"), model, kwargs.get("lr_scheduler"),
+                                        kwargs.get("mesh_param")))
     _check_same_on_all_ranks(acco, raw, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)

@@ -7,8 +7,7 @@ test_autotp.py train it)."""
 import pytest
 
 import ds_acco
-from ds_acco.config import LAYOUT_REFUSALS, AccoConfig, check_layout
-from ds_acco.deepspeed.engine import _requested_layout
+from ds_acco.config import LAYOUT_REFUSALS, AccoConfig, check_layout, requested_layout
 from fixtures import TinyNet, ds_config, make_optimizer
 
 ACCO = {"enabled": True, "mode": "acco"}
@@ -73,7 +72,7 @@ def test_megatron_without_sequence_parallelism_passes_the_check(sequence_paralle
     """Megatron marks its layer norms sequence_parallel = False without the flag, and turns the flag
     off itself at tensor-parallel size 1 (every rank then sees the whole sequence)."""
     model = _megatron_model(sequence_parallel)
-    check_layout(AccoConfig(enabled=True), _requested_layout(model, {}, FakeMPU(tp=tp), None, None))
+    check_layout(AccoConfig(enabled=True), requested_layout({}, FakeMPU(tp=tp), model))
 
 
 def test_moe_experts_are_refused():
@@ -91,15 +90,15 @@ def test_per_rank_phase_lengths_under_autotp_are_refused_before_any_engine(accum
     """No mpu: the tensor-parallel size is read from the config (and again from the engine's groups,
     tests/deepspeed/test_autotp.py)."""
     msg = _refusal(config=ds_config(4, dict(ACCO, accumulation=accumulation), tensor_parallel=AUTOTP))
-    assert f"acco.accumulation = '{accumulation}' with tensor parallelism (AutoTP: tensor_parallel.autotp_size = 2" \
-        in msg and 'fix: set "accumulation": "fixed"' in msg
+    assert (f"acco.accumulation = '{accumulation}' with tensor parallelism (AutoTP: "
+            "tensor_parallel.autotp_size = 2") in msg and 'fix: set "accumulation": "fixed"' in msg
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_data_and_tensor_parallel_pass_the_check(tp):
-    check_layout(AccoConfig(enabled=True), _requested_layout(TinyNet(seed=0), {}, FakeMPU(tp, 1), None, None))
-    check_layout(AccoConfig(enabled=True), _requested_layout(
-        TinyNet(seed=0), {"tensor_parallel": {"autotp_size": tp}}, None, None, None))  # AutoTP, fixed accumulation
+    check_layout(AccoConfig(enabled=True), requested_layout({}, FakeMPU(tp, 1), TinyNet(seed=0)))
+    check_layout(AccoConfig(enabled=True), requested_layout({"tensor_parallel": {"autotp_size": tp}},
+                                                            model=TinyNet(seed=0)))  # AutoTP, fixed accumulation
 
 
 def test_every_refusal_names_what_why_and_fix():

@@ -25,8 +25,8 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10**9}
 ACCO_ON = {**BASE, "acco": {"enabled": True}}
 ACCELERATE = {**{k: v for k, v in ACCO_ON.items() if k != "optimizer"}, "zero_allow_untested_optimizer": True}
-HF = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1},
-      "steps_per_print": 10**9, "acco": {"enabled": True}}
+HF = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "zero_optimization": {"stage": 1}, "steps_per_print": 10**9, "acco": {"enabled": True}}
 
 
 class Tiny(torch.nn.Module):

@@ -137,7 +137,8 @@ def test_an_enabled_block_never_trains_stock_silently(tmp_path):
     shutil.copy(REPO / "ds_acco_autoinstall.pth", site_dir)
     prog = (f"import site, runpy, sys; site.addsitedir({str(site_dir)!r}); sys.argv = [{str(GUARD_SCRIPT)!r}, "
             f"{str(tmp_path / 'store')!r}, {str(tmp_path)!r}]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", prog], cwd=tmp_path, env={**guard_env(os.environ), "PYTHONPATH": str(REPO)},
+    proc = subprocess.run([sys.executable, "-c", prog], cwd=tmp_path,
+                          env={**guard_env(os.environ), "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=scaled(180))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_guard_run(proc.stdout, proc.stderr)
