@@ -20,7 +20,8 @@ deepspeed launcher puts before ``run`` is handed on to the script).
 
 ``check`` validates the ``"acco"`` block (every key, with its default when absent) and, when ACCO is
 enabled, the DeepSpeed settings it depends on (ZeRO stage, an even ``gradient_accumulation_steps``
-in mode ``acco``, fp16 loss-scaling options, bf16 with fp32 accumulation, offload...), through DeepSpeed's own config
+in mode ``acco``, fp16 loss-scaling options, bf16 with fp32 accumulation, offload, the parallel
+layouts the config itself asks for: AutoTP, sequence parallelism), through DeepSpeed's own config
 parser, without starting any process group, at the data-parallel size ``--world-size N`` (under
 tensor / pipeline parallelism: GPUs / (TP x PP)). Without it the size is ``train_batch_size /
 (train_micro_batch_size_per_gpu x gradient_accumulation_steps)`` when the config sets all three
@@ -59,8 +60,8 @@ def check(path: str, out=None, err=None, world_size: Optional[int] = None) -> in
     data-parallel ranks (None: inferred, see the module docstring); print the resolved block
     (stdout) or the errors (stderr)."""
     out, err = out or sys.stdout, err or sys.stderr
-    from .config import (ACCO_KEY, BATCH_KEYS, acco_config_of, check_deepspeed_compat, data_parallel_size,
-                         deepspeed_config_at, load_ds_config)
+    from .config import (ACCO_KEY, BATCH_KEYS, acco_config_of, check_deepspeed_compat, check_layout,
+                         data_parallel_size, deepspeed_config_at, load_ds_config, requested_layout)
 
     try:
         found = configs.resolve(path)
@@ -93,6 +94,7 @@ def check(path: str, out=None, err=None, world_size: Optional[int] = None) -> in
         try:
             size = data_parallel_size(raw, world_size)
             check_deepspeed_compat(acco, deepspeed_config_at(raw, size))
+            check_layout(acco, requested_layout(raw))  # what the config alone asks for: AutoTP, Ulysses
         except Exception as exc:  # DeepSpeed's parser raises AssertionError, ValueError, pydantic errors...
             print(f"{path}: error: {exc}", file=err)
             return EXIT_ERROR

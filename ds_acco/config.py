@@ -5,9 +5,12 @@ ignores unknown top-level keys, so nothing but this module ever reads the block.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
-from typing import Any, Literal, Mapping, Optional, Union
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -197,18 +200,40 @@ def _submodel(field):
 
 
 def load_ds_config(config: Any = None, args: Any = None) -> Optional[dict]:
-    """Resolve a DeepSpeed config the way ``deepspeed.initialize`` does: a dict, a JSON path,
-    or ``args.deepspeed_config``. Returns None when none was given (DeepSpeed will complain)."""
+    """Resolve a DeepSpeed config the way ``deepspeed.initialize`` does: a dict, a path to a JSON
+    (or HJSON) file, a base64-encoded JSON string (DeepSpeed's autotuner passes those), or
+    ``args.deepspeed_config``. Returns None when none was given (DeepSpeed will complain); raises
+    ``OSError`` for a path that does not exist, ``ValueError`` for text that does not parse."""
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if config is None:
         return None
     if isinstance(config, Mapping):
         return dict(config)
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, os.PathLike) or (isinstance(config, str) and os.path.exists(config)):
         with open(config) as f:
-            return json.load(f)
-    raise ValueError(f"DeepSpeed config must be a dict or a path to a JSON file, got {type(config).__name__}")
+            return _parse_config_text(f.read())
+    if isinstance(config, str):
+        try:  # not a file: DeepSpeed then reads it as base64
+            found = _parse_config_text(base64.urlsafe_b64decode(config).decode("utf-8"))
+        except (ValueError, ImportError):  # binascii.Error, UnicodeDecodeError and parse errors are ValueErrors
+            found = None
+        if not isinstance(found, Mapping):
+            raise FileNotFoundError(f"no such DeepSpeed config file: {config!r} (nor is it base64-encoded JSON)")
+        return dict(found)
+    raise ValueError(f"DeepSpeed config must be a dict, a path to a JSON file or base64-encoded JSON, got "
+                     f"{type(config).__name__}")
+
+
+def _parse_config_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import hjson  # DeepSpeed parses configs as HJSON (a superset of JSON); installed with it
+        except ImportError:
+            raise
+        return hjson.loads(text)
 
 
 def acco_config_of(ds_config: Optional[Mapping[str, Any]]) -> AccoConfig:
@@ -255,15 +280,183 @@ UNEVEN_STEPS = {
 }
 
 
+LOCKSTEP_WHY = ("it gives each rank its own number of micro-batches per phase, but every micro-batch runs collectives "
+                "with the other ranks, which must all compute the same micro-batches")
+LOCKSTEP_FIX = "set \"accumulation\": \"fixed\""
+
+
 def check_lockstep(acco: AccoConfig, collective: str) -> None:
     """Refuses per-rank phase lengths ('dynamic', 'shared') where every micro-batch's forward or
     backward runs collectives with other ranks (``collective`` says which): those pair by issue
     order, so a rank that computes one micro-batch more than its peers would pair its collectives
     with theirs of another phase (a hang, or weights gathered from different phases' sources)."""
     if acco.accumulation in ("dynamic", "shared"):
-        raise ValueError(f"acco.accumulation = {acco.accumulation!r} with {collective}: it gives each rank its own "
-                         "number of micro-batches per phase, but every micro-batch runs collectives with the other "
-                         "ranks, which must all compute the same micro-batches; fix: set \"accumulation\": \"fixed\"")
+        raise ValueError(f"acco.accumulation = {acco.accumulation!r} with {collective}: {LOCKSTEP_WHY}; "
+                         f"fix: {LOCKSTEP_FIX}")
+
+
+# -- parallel layouts: what ACCO refuses, why, and the fix -----------------------------------------
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The parallelism a DeepSpeed engine runs under: as the engine built it (its groups), or,
+    before it exists, as the caller asked for it (its ``mpu``, the config). Each size comes with
+    where it was read (``*_from``), which the refusals quote."""
+
+    tensor_parallel: int = 1
+    tensor_parallel_from: str = ""
+    pipeline_parallel: int = 1
+    pipeline_parallel_from: str = ""
+    sequence_parallel: int = 1  # DeepSpeed-Ulysses: ZeRO reduces over the sequence-data-parallel group
+    sequence_parallel_from: str = ""
+    sequence_parallel_params: tuple = ()  # Megatron --sequence-parallel: names of params marked sequence_parallel
+    expert_params: tuple = ()  # MoE experts (param.allreduce = False): names
+    caller_sets_boundary: bool = False  # Megatron-style caller: its mpu, or a scheduler stepped with increment=
+
+
+@dataclass(frozen=True)
+class LayoutRefusal:
+    """One row of :data:`LAYOUT_REFUSALS`: ``found(acco, layout)`` names the setting it refuses
+    (None: the row does not apply); ``why`` and ``fix`` may use ``{accumulation}`` and
+    ``{uneven_steps}`` (the policy's reason from :data:`UNEVEN_STEPS`)."""
+
+    what: str
+    found: Callable[[AccoConfig, ParallelLayout], Optional[str]]
+    why: str
+    fix: str
+
+    def message(self, acco: AccoConfig, found: str) -> str:
+        fields = {"accumulation": acco.accumulation, "uneven_steps": UNEVEN_STEPS.get(acco.accumulation, "")}
+        return f"{found}: {self.why.format(**fields)}; fix: {self.fix.format(**fields)}"
+
+
+def _per_rank_phases(acco: AccoConfig) -> bool:
+    return acco.accumulation in ("dynamic", "shared")
+
+
+LAYOUT_REFUSALS = (
+    LayoutRefusal(
+        "pipeline parallelism",
+        lambda a, l: l.pipeline_parallel > 1 and (
+            f"acco.enabled = true with pipeline parallelism: {l.pipeline_parallel_from} = {l.pipeline_parallel}"),
+        "ACCO runs on DeepSpeed's ZeRO-1 engine, not its pipeline engine, which schedules its own micro-batches "
+        "and reduces per stage",
+        "run with --pipeline-model-parallel-size 1 --no-pipeline-parallel (tensor parallelism is supported), or "
+        "disable acco"),
+    LayoutRefusal(
+        "sequence parallelism (DeepSpeed-Ulysses)",
+        lambda a, l: l.sequence_parallel > 1 and (
+            f"acco.enabled = true with sequence parallelism: {l.sequence_parallel_from} = {l.sequence_parallel}"),
+        "ZeRO then reduces over the sequence-data-parallel group, which ACCO's rounds do not support yet",
+        "--ds-sequence-parallel-size 1 (no sequence_parallel_size in the config, no sequence-parallel mesh; tensor "
+        "parallelism is supported), or disable acco"),
+    LayoutRefusal(
+        "Megatron's sequence parallelism (--sequence-parallel)",
+        lambda a, l: l.tensor_parallel > 1 and l.sequence_parallel_params and (
+            f"acco.enabled = true with Megatron's sequence parallelism: {len(l.sequence_parallel_params)} parameters "
+            f"marked sequence_parallel = True (e.g. {l.sequence_parallel_params[0]!r}) under tensor parallelism "
+            f"({l.tensor_parallel_from} = {l.tensor_parallel})"),
+        "each tensor-parallel rank computes the gradients of those parameters (layer norms, row-parallel biases) "
+        "on its own slice of the sequence, so they must be summed over the tensor-parallel group before the "
+        "optimizer step; Megatron does that in its own optimizer (reduce_model_grads), which its train_step skips "
+        "under --deepspeed, and neither DeepSpeed's ZeRO nor ACCO does it, so the tensor-parallel copies of those "
+        "parameters would drift apart",
+        "run without --sequence-parallel (tensor parallelism alone is supported), or disable acco"),
+    LayoutRefusal(
+        "MoE experts",
+        lambda a, l: bool(l.expert_params) and (
+            f"acco.enabled = true with MoE expert parameters ({len(l.expert_params)}, e.g. {l.expert_params[0]!r}: "
+            "param.allreduce = False)"),
+        "ACCO does not partition expert groups",
+        "train the MoE model with stock ZeRO (disable acco)"),
+    LayoutRefusal(
+        "per-rank phase lengths under tensor parallelism",
+        lambda a, l: _per_rank_phases(a) and l.tensor_parallel > 1 and (
+            f"acco.accumulation = {a.accumulation!r} with tensor parallelism "
+            f"({l.tensor_parallel_from} = {l.tensor_parallel}: every forward and backward runs collectives over "
+            "the tensor-parallel group)"),
+        LOCKSTEP_WHY,
+        LOCKSTEP_FIX),
+    LayoutRefusal(
+        "per-rank phase lengths with a caller that sets the accumulation boundary",
+        lambda a, l: _per_rank_phases(a) and l.caller_sets_boundary and (
+            f"acco.accumulation = {a.accumulation!r} with a caller that sets the accumulation boundary and calls "
+            "step() once per iteration (Megatron-DeepSpeed's train_step)"),
+        "the caller counts one optimizer step, one lr_kwargs increment and one global batch per iteration of A "
+        "micro-batches on every rank, while {uneven_steps}",
+        "use \"accumulation\": \"fixed\" (the same batches and steps as stock), or drive the engine with "
+        "engine.backward + engine.step per micro-batch and loop on engine.global_steps"),
+)
+
+
+def _size(mpu, *names) -> tuple:
+    """The first of ``names`` the mpu answers: (its value, where it was read)."""
+    for name in names:
+        fn = getattr(mpu, name, None)
+        if callable(fn):
+            return int(fn()), f"mpu.{name}()"
+    return 1, ""
+
+
+def marked_params(model) -> tuple:
+    """Names of the parameters marked as Megatron sequence-parallel, and of MoE expert parameters
+    (DeepSpeed's ``is_moe_param``; DeepSpeed is imported only when there is a model to read)."""
+    if not hasattr(model, "named_parameters"):
+        return (), ()
+    from deepspeed.moe.utils import is_moe_param
+    named = list(model.named_parameters())
+    return (tuple(n for n, p in named if getattr(p, "sequence_parallel", False) is True),
+            tuple(n for n, p in named if is_moe_param(p)))
+
+
+def steps_with_increment(lr_scheduler) -> bool:
+    """Megatron's scheduler is stepped with ``increment=``: a caller that counts its own batches."""
+    import inspect
+    step = getattr(lr_scheduler, "step", None)
+    try:
+        return step is not None and "increment" in inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def requested_layout(raw: Optional[Mapping[str, Any]], mpu: Any = None, model: Any = None, lr_scheduler: Any = None,
+                     mesh_param: Any = None) -> ParallelLayout:
+    """The layout a ``deepspeed.initialize`` call asks for, read before any engine or process group
+    exists: its ``mpu``, the config's ``tensor_parallel.autotp_size`` / ``sequence_parallel_size``,
+    ``mesh_param``, the model's marked parameters, a scheduler stepped with ``increment=``."""
+    raw = raw or {}
+    tp, tp_from = _size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    autotp = (raw.get("tensor_parallel") or {}).get("autotp_size") or 0
+    if isinstance(autotp, int) and autotp > 1:
+        tp, tp_from = autotp, "AutoTP: tensor_parallel.autotp_size"
+    pp, pp_from = _size(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
+    sp, sp_from = _size(mpu, "get_sequence_parallel_world_size")
+    if sp <= 1 and isinstance(raw.get("sequence_parallel_size"), int):
+        sp, sp_from = raw["sequence_parallel_size"], "sequence_parallel_size"
+    if sp <= 1 and mesh_param:
+        sp, sp_from = int(mesh_param[1]), "mesh_param[1] (the sequence-parallel size of the mesh)"
+    sequence_parallel_params, expert_params = marked_params(model)
+    return ParallelLayout(tensor_parallel=tp, tensor_parallel_from=tp_from, pipeline_parallel=pp,
+                          pipeline_parallel_from=pp_from, sequence_parallel=sp, sequence_parallel_from=sp_from,
+                          sequence_parallel_params=sequence_parallel_params, expert_params=expert_params,
+                          caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
+
+
+def check_layout(acco: AccoConfig, layout: ParallelLayout) -> None:
+    """Raise the first :data:`LAYOUT_REFUSALS` row that applies to an enabled ``acco`` under
+    ``layout`` (a ``ValueError`` with the setting found, the reason and the fix)."""
+    if not acco.enabled:
+        return
+    for row in LAYOUT_REFUSALS:
+        found = row.found(acco, layout)
+        if found:
+            raise ValueError(row.message(acco, found))
+
+
+def caller_boundary_refusal(accumulation: str) -> str:
+    """The refusal of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
+    acco = AccoConfig(enabled=True, accumulation=accumulation)
+    row = LAYOUT_REFUSALS[-1]
+    return row.message(acco, row.found(acco, ParallelLayout(caller_sets_boundary=True)))
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -345,3 +538,60 @@ def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
                          "fix: remove zenflow or disable acco")
     if getattr(ds, "hybrid_engine", None) is not None and ds.hybrid_engine.enabled:
         raise ValueError("hybrid_engine.enabled = true: not supported with ACCO; fix: disable one of them")
+
+
+# -- an enabled block that would train stock ---------------------------------------------------------
+OPT_OUT_ENV = "DS_ACCO"  # DS_ACCO=off: an enabled "acco" block is ignored, DeepSpeed trains stock ZeRO
+_opt_out_noted = False
+
+
+def opted_out(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``DS_ACCO=off`` is set: a user who shares one config between stock and ACCO runs
+    trains stock with it on purpose. Any other non-empty value is an error naming the variable."""
+    value = (os.environ if environ is None else environ).get(OPT_OUT_ENV, "").strip()
+    if value.lower() == "off":
+        return True
+    if value:
+        raise ValueError(f"{OPT_OUT_ENV} = {value!r}: unknown value; fix: {OPT_OUT_ENV}=off to train stock DeepSpeed "
+                         "ZeRO with a config whose \"acco\" block is enabled, or unset it (ACCO then runs where the "
+                         "launch routes to ds_acco: python -m ds_acco run, DS_ACCO_INSTALL=1, ds_acco.install())")
+    return False
+
+
+def note_opt_out(rank: Optional[int] = None) -> None:
+    """Say once per process, on rank 0, that ``DS_ACCO=off`` set an enabled block aside."""
+    global _opt_out_noted
+    if _opt_out_noted:
+        return
+    _opt_out_noted = True
+    if rank is None:
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(f"ds_acco: {OPT_OUT_ENV}=off: the config's \"acco\" block is enabled but ignored; DeepSpeed trains "
+              "stock ZeRO", file=sys.stderr, flush=True)
+
+
+RUN_THROUGH_DS_ACCO = ("launch the script through ds_acco: `python -m ds_acco run SCRIPT.py ARGS` (`torchrun ... -m "
+                       "ds_acco run SCRIPT.py ARGS`, `deepspeed ... --module ds_acco run SCRIPT.py ARGS`, "
+                       "`accelerate launch -m ds_acco run SCRIPT.py ARGS`), or set DS_ACCO_INSTALL=1 in its "
+                       "environment, or call `import ds_acco; ds_acco.install()` before the code that builds the "
+                       "engine (or ds_acco.initialize instead of deepspeed.initialize)")
+
+
+def stock_engine_refusal(engine_class: str, routing_installed: bool) -> str:
+    """Why a stock ``engine_class`` must not be built from a config whose ``"acco"`` block is
+    enabled, and the launch fix: DeepSpeed ignores the block, so the run would measure stock ZeRO."""
+    head = (f"this DeepSpeed config has \"{ACCO_KEY}\": {{\"enabled\": true}}, but the engine being built is a stock "
+            f"{engine_class}: DeepSpeed ignores the \"{ACCO_KEY}\" block, so this run would train stock ZeRO without "
+            "ACCO")
+    if routing_installed:
+        why = ("; ds_acco.install() is in effect, but this engine did not come through it: a deepspeed.initialize "
+               "looked up before install() (e.g. `from deepspeed import initialize` in a module imported earlier), "
+               "or an engine constructed directly; fix: call ds_acco.install() before the training code imports "
+               "deepspeed (or launch through `python -m ds_acco run` or DS_ACCO_INSTALL=1, which install it as "
+               "deepspeed is imported), or build the engine with ds_acco.initialize")
+    else:
+        why = f"; fix: {RUN_THROUGH_DS_ACCO}"
+    return (f"{head}{why}. To train stock ZeRO with this config on purpose, set {OPT_OUT_ENV}=off (or "
+            f"\"{ACCO_KEY}\": {{\"enabled\": false}}).")

@@ -61,7 +61,7 @@ from typing import Any, Callable, List, Tuple
 
 from . import _routing
 from ._routing import installed
-from .config import ACCO_KEY, UNEVEN_STEPS, acco_config_of, load_ds_config
+from .config import ACCO_KEY, UNEVEN_STEPS, acco_config_of, load_ds_config, note_opt_out, opted_out
 
 _LOCK = threading.RLock()
 _ROUTING = threading.local()  # .active: this thread is inside the router (nested calls -> original)
@@ -143,7 +143,7 @@ def _acco_enabled(signature: inspect.Signature, args: tuple, kwargs: dict) -> bo
         return False
     if not isinstance(raw, Mapping) or ACCO_KEY not in raw:
         return False
-    return acco_config_of(raw).enabled
+    return acco_config_of(raw).enabled and not opted_out()  # DS_ACCO=off: stock on purpose
 
 
 # -- framework adapters ----------------------------------------------------------------------------
@@ -302,6 +302,8 @@ def _warn_stock_acco(engine) -> None:
     block = raw.get(ACCO_KEY) if isinstance(raw, Mapping) else None
     if not isinstance(block, Mapping) or block.get("enabled") is not True or getattr(engine, "global_rank", 0) != 0:
         return
+    if opted_out():
+        return note_opt_out()
     from deepspeed.utils import logger
 
     logger.warning(

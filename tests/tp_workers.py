@@ -91,6 +91,27 @@ class TPNet(torch.nn.Module):
         return torch.nn.functional.mse_loss(out, y)
 
 
+def assert_replicas_agree(name: str, finals: list, replicated) -> None:
+    """Global ranks t and 2 + t (the two data-parallel replicas of tensor-parallel rank t) hold the
+    same parameters, and the ``replicated`` ones are the same on both tensor-parallel ranks: exactly."""
+    for tp in range(TP):
+        for n in finals[tp]:
+            assert torch.equal(finals[tp][n], finals[TP + tp][n]), (name, tp, n)
+    for n in replicated:
+        assert torch.equal(finals[0][n], finals[1][n]), (name, n)
+
+
+def assert_near_reference(name: str, got: dict, want: dict, model: torch.nn.Module) -> None:
+    """``got`` (gathered from the shards) equals the float64 reference ``want`` to 1e-5 relative,
+    on a trajectory that moved at least 5e-3 from ``model``'s initial parameters."""
+    from reference import rel_distance
+    theta0 = {n: p.detach().double() for n, p in model.named_parameters()}
+    err, moved = rel_distance(got, want), rel_distance(theta0, want)
+    print(f"{name}: relative error {err:.2e} (trajectory moved {moved:.2e})")
+    assert moved > 5e-3
+    assert err < 1e-5
+
+
 def gather_full(params: dict, shards: list) -> dict:
     """FullNet's parameters from the tensor-parallel ranks' TPNet parameters (rank order)."""
     return {"scale": params["scale"], "fc1.weight": torch.cat([s["fc1_weight"] for s in shards], 0),
@@ -212,3 +233,99 @@ def make_optimizer(name: str):
 def train_tp_cases(cases):
     return [train_tp(c) for c in cases]
 
+
+
+# -- DeepSpeed AutoTP: the engine splits TinyNet itself ---------------------------------------------
+# fc1 column-parallel (its rows and bias split), fc2 row-parallel (its columns split; its bias,
+# added after the all-reduce, replicated): the same split as TPNet, done by DeepSpeed's AutoTP from
+# the config (no mpu). Global rank r is tensor-parallel rank r % 2 of data-parallel rank r // 2.
+AUTOTP_PARTITION = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*fc1\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*fc2\.weight$"], "partition_type": "row"}]}
+
+
+def autotp_config(case: dict, tensor_parallel: dict = None) -> dict:
+    from fixtures import ds_config
+    tp = {"autotp_size": TP, "partition_config": AUTOTP_PARTITION} if tensor_parallel is None else tensor_parallel
+    return ds_config(case["gas"], case.get("acco"), clip=case.get("clip", 0.0), tensor_parallel=tp)
+
+
+def gather_autotp(shards: list) -> dict:
+    """TinyNet's parameters from the tensor-parallel ranks' AutoTP shards (rank order)."""
+    return {"fc1.weight": torch.cat([s["fc1.weight"] for s in shards], 0),
+            "fc1.bias": torch.cat([s["fc1.bias"] for s in shards], 0),
+            "fc2.weight": torch.cat([s["fc2.weight"] for s in shards], 1), "fc2.bias": shards[0]["fc2.bias"]}
+
+
+def train_autotp(case: dict) -> dict:
+    """Train TinyNet under AutoTP for gas*steps micro-batches (the data of this rank's data-parallel
+    rank); return the committed shards. ``case["via"]``: "config" (tensor_parallel.autotp_size),
+    "tp_model_init" (deepspeed.tp_model_init, a config without autotp_size: DeepSpeed merges the size
+    in while building the engine) or "mesh" (a stock engine on a data x sequence-parallel mesh, whose
+    built layout is checked)."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    import ds_acco
+    from fixtures import TinyNet, make_optimizer as fixture_optimizer
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    model = TinyNet(seed=0)
+    opt = fixture_optimizer(case["optimizer"])(model)
+    via = case.get("via", "config")
+    if via == "mesh":
+        return _built_layout_refusal(model, opt, case)
+    cfg = autotp_config(case)
+    if via == "tp_model_init":
+        cfg = autotp_config(case, {"partition_config": AUTOTP_PARTITION})
+        deepspeed.tp_model_init(model, tp_size=TP, dtype=torch.float32)
+    try:
+        engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
+    except ValueError as exc:
+        if case.get("refused"):
+            return {"refused": str(exc)}
+        raise
+    finally:
+        if via == "tp_model_init":  # DeepSpeed keeps tp_model_init's arguments for every later initialize
+            from deepspeed.runtime.tensor_parallel import init_utils
+            init_utils._TP_MODEL_INIT_ARGS = None
+    if case.get("refused"):
+        engine.destroy()
+        return {"built": type(engine).__name__}
+    tp_rank, dp_rank = groups.get_tensor_model_parallel_rank(), groups.get_data_parallel_rank()
+    for i in range(case["gas"] * case["steps"]):
+        loss = engine(*batch(dp_rank, i))
+        engine.backward(loss)
+        engine.step()
+    with ds_acco.committed_weights(engine):
+        final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out = {"final": final, "tp_rank": tp_rank, "dp_rank": dp_rank, "engine": type(engine).__name__,
+           "optimizer": type(engine.optimizer).__name__, "mp_world_size": engine.mp_world_size,
+           "global_steps": engine.global_steps}
+    engine.destroy()
+    return out
+
+
+def _built_layout_refusal(model, opt, case: dict) -> dict:
+    """A stock engine on a (data 2 x sequence-parallel 2) mesh: what ACCO reads from the groups it
+    built, and the refusal that layout gets."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    from ds_acco.config import AccoConfig, check_layout
+    from ds_acco.deepspeed.engine import _built_layout
+    groups.mpu = None  # the AutoTP engines before this one left DeepSpeed's groups module as the mpu
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=autotp_config(case, {}),
+                                           mesh_param=(DP, TP))
+    layout = _built_layout(engine, model, None, None)
+    engine.destroy()
+    groups.mesh_device = None
+    try:
+        check_layout(AccoConfig(enabled=True), layout)
+    except ValueError as exc:
+        return {"refused": str(exc), "sequence_parallel": layout.sequence_parallel}
+    return {"sequence_parallel": layout.sequence_parallel}
+
+
+def train_autotp_cases(cases):
+    return [train_autotp(c) for c in cases]

@@ -19,8 +19,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
-from ..config import (UNEVEN_STEPS, AccoConfig, acco_config_of, check_deepspeed_compat, check_lockstep,
-                      load_ds_config)
+from ..config import (AccoConfig, ParallelLayout, acco_config_of, caller_boundary_refusal, check_deepspeed_compat,
+                      check_layout, load_ds_config, marked_params, note_opt_out, opted_out, requested_layout,
+                      steps_with_increment)
 from ..core import publish
 from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
@@ -51,6 +52,7 @@ class AccoEngine(DeepSpeedEngine):
         if config_class is not None:
             check_deepspeed_compat(acco_config, config_class)
         self._acco_config = acco_config
+        self._acco_client_mpu = kwargs.get("mpu")  # AutoTP replaces engine.mpu with DeepSpeed's groups module
         self._acco_lr_kwargs = None
         self._acco_weight = 1.0
         # Megatron-style callers set the accumulation boundary themselves and call step() once per
@@ -95,6 +97,12 @@ class AccoEngine(DeepSpeedEngine):
                            "no communication round overlaps compute on a GPU; fix: remove them for training runs")
 
     # -- construction seam ----------------------------------------------------------------------
+    def _configure_distributed_model(self, model):
+        super()._configure_distributed_model(model)
+        # DeepSpeed's groups exist now, however they were built (a user mpu, AutoTP, tp_model_init, a
+        # mesh): refuse what ACCO does not support from what was built, before the ZeRO optimizer.
+        check_layout(self._acco_config, _built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler))
+
     def _configure_zero_optimizer(self, optimizer):
         cfg = self._acco_config
         comm_dtype = self._config.communication_data_type  # explicit setting only; else G's dtype
@@ -394,78 +402,48 @@ def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict
                             "the \"acco\" block (or gradient_accumulation_steps / fp16)")
 
 
-def _refuse_model_parallelism(model, mpu) -> None:
-    """Tensor parallelism is supported (rounds on the data-parallel group, the norm and the skip
-    over the model-parallel group as stock). Refused: pipeline parallelism (DeepSpeed's pipeline
-    engine schedules its own micro-batches and reduces per stage), sequence parallelism (ZeRO then
-    reduces over a sequence-data-parallel group ACCO is not tested on) and MoE experts (their
-    parameters are partitioned over expert groups)."""
-    def size(name):
-        fn = getattr(mpu, name, None)
-        return int(fn()) if callable(fn) else 1
-    if mpu is not None:
-        if size("get_pipeline_model_parallel_world_size") > 1:
-            raise ValueError("acco.enabled = true with pipeline parallelism: mpu.get_pipeline_model_parallel_world_size() "
-                             f"= {size('get_pipeline_model_parallel_world_size')}; ACCO runs on DeepSpeed's ZeRO-1 "
-                             "engine, not its pipeline engine; fix: run with --pipeline-model-parallel-size 1 "
-                             "--no-pipeline-parallel (tensor parallelism is supported), or disable acco")
-        if size("get_sequence_parallel_world_size") > 1:
-            raise ValueError("acco.enabled = true with sequence parallelism: mpu.get_sequence_parallel_world_size() = "
-                             f"{size('get_sequence_parallel_world_size')}; ZeRO then reduces over the "
-                             "sequence-data-parallel group, which ACCO does not support yet; fix: "
-                             "--ds-sequence-parallel-size 1 (tensor parallelism is supported), or disable acco")
-    if hasattr(model, "named_parameters"):
-        from deepspeed.moe.utils import is_moe_param
-        experts = [n for n, p in model.named_parameters() if is_moe_param(p)]
-        if experts:
-            raise ValueError(f"acco.enabled = true with MoE expert parameters ({len(experts)}, e.g. {experts[0]!r}: "
-                             "param.allreduce = False); ACCO does not partition expert groups; fix: train the MoE "
-                             "model with stock ZeRO (disable acco)")
+def _built_layout(engine: DeepSpeedEngine, model, mpu, lr_scheduler) -> ParallelLayout:
+    """The layout ``engine`` built: DeepSpeed's groups as the engine read them in
+    ``_configure_distributed_model`` (model-parallel and sequence-parallel sizes, the data-parallel
+    group ZeRO reduces over), whatever built them (an mpu, AutoTP, ``tp_model_init``, a mesh)."""
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
+    autotp = engine.autotp_size()
+    tp_from = "AutoTP's model-parallel group size" if autotp > 1 else "the engine's model-parallel group size"
+    sp, sp_from = engine.sequence_parallel_size, "the engine's sequence-parallel group size"
+    if sp <= 1 and engine.seq_dp_world_size != engine.dp_world_size:
+        sp, sp_from = engine.seq_dp_world_size // max(1, engine.dp_world_size), (
+            "the engine's sequence-data-parallel group size / data-parallel group size")
+    sequence_parallel_params, expert_params = marked_params(model)
+    return ParallelLayout(tensor_parallel=engine.mp_world_size, tensor_parallel_from=tp_from,
+                          pipeline_parallel=bwc_pipeline_parallel_world_size(engine.mpu),
+                          pipeline_parallel_from="the engine's mpu pipeline-parallel size", sequence_parallel=sp,
+                          sequence_parallel_from=sp_from, sequence_parallel_params=sequence_parallel_params,
+                          expert_params=expert_params,
+                          caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
 
 
-def _caller_boundary_refusal(accumulation: str) -> str:
-    return (f"acco.accumulation = {accumulation!r} with a caller that sets the accumulation boundary and calls "
-            "step() once per iteration (Megatron-DeepSpeed's train_step): the caller counts one optimizer step, "
-            "one lr_kwargs increment and one global batch per iteration of A micro-batches on every rank, while "
-            f"{UNEVEN_STEPS[accumulation]}; fix: use \"accumulation\": \"fixed\" (the same batches and steps as "
-            "stock), or drive the engine with engine.backward + engine.step per micro-batch and loop on "
-            "engine.global_steps")
-
-
-def _refuse_dynamic_under_megatron(acco: AccoConfig, mpu, lr_scheduler) -> None:
-    """Megatron-DeepSpeed passes its ``mpu`` (with --no-pipeline-parallel) and a scheduler stepped
-    with ``increment=``: refuse dynamic and shared accumulation there, before any engine is built."""
-    if acco.accumulation == "fixed":
-        return
-    tp = getattr(mpu, "get_model_parallel_world_size", None)
-    if callable(tp) and int(tp()) > 1:  # the first reason, for any caller
-        check_lockstep(acco, f"tensor parallelism (mpu.get_model_parallel_world_size() = {int(tp())}: every forward "
-                             "and backward runs collectives over the tensor-parallel group)")
-    import inspect
-    step = getattr(lr_scheduler, "step", None)
-    try:
-        increments = step is not None and "increment" in inspect.signature(step).parameters
-    except (TypeError, ValueError):
-        increments = False
-    if mpu is not None or increments:
-        raise ValueError(_caller_boundary_refusal(acco.accumulation))
+_caller_boundary_refusal = caller_boundary_refusal  # AccoEngine.set_gradient_accumulation_boundary raises it
 
 
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
     """Same parameters and return value as ``deepspeed.initialize``.
 
     With ``"acco": {"enabled": true}`` in the config the engine is an :class:`AccoEngine` and
-    ``engine.optimizer`` an :class:`AccoZeroOptimizer`; otherwise this *is*
-    ``deepspeed.initialize`` (the A/B switch).
+    ``engine.optimizer`` an :class:`AccoZeroOptimizer`; otherwise (or with ``DS_ACCO=off`` in the
+    environment) this *is* ``deepspeed.initialize`` (the A/B switch).
     """
     if pos:
         raise TypeError("ds_acco.initialize takes keyword arguments after 'args' and 'model', like "
                         "deepspeed.initialize")
     raw = load_ds_config(config if config is not None else config_params, args)
     acco = acco_config_of(raw)
-    if acco.enabled:
-        _refuse_model_parallelism(model, kwargs.get("mpu"))
-        _refuse_dynamic_under_megatron(acco, kwargs.get("mpu"), kwargs.get("lr_scheduler"))
+    if acco.enabled and opted_out():  # DS_ACCO=off: one config shared by stock and ACCO runs, this one stock
+        note_opt_out()
+        acco = acco.model_copy(update={"enabled": False})
+    # Refused before any process group or engine exists, from what the caller passed; AccoEngine checks
+    # again what DeepSpeed built (_configure_distributed_model).
+    check_layout(acco, requested_layout(raw, kwargs.get("mpu"), model, kwargs.get("lr_scheduler"),
+                                        kwargs.get("mesh_param")))
     _check_same_on_all_ranks(acco, raw, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)

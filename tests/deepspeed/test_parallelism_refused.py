@@ -1,10 +1,13 @@
-"""Pipeline and sequence parallelism and MoE experts are refused at initialize with the setting and
-the fix named (single process: the check runs before anything distributed); tensor parallelism
-passes the check (tests/deepspeed/test_tensor_parallel.py trains it)."""
+"""Parallel layouts ACCO refuses at initialize, with the setting and the fix named (single process:
+the check of what the caller passed runs before anything distributed; tests/deepspeed/test_autotp.py
+checks what an engine built): pipeline, DeepSpeed-Ulysses sequence parallelism (from an mpu, the
+config or a mesh), Megatron's sequence parallelism, MoE experts, and per-rank phase lengths under
+AutoTP. Tensor parallelism passes the check (tests/deepspeed/test_tensor_parallel.py and
+test_autotp.py train it)."""
 import pytest
-import torch
 
 import ds_acco
+from ds_acco.config import LAYOUT_REFUSALS, AccoConfig, check_layout, requested_layout
 from fixtures import TinyNet, ds_config, make_optimizer
 
 ACCO = {"enabled": True, "mode": "acco"}
@@ -24,27 +27,81 @@ class FakeMPU:
         return self.sp
 
 
+def _refusal(model=None, acco=ACCO, mpu=None, **kwargs):
+    model = model or TinyNet(seed=0)
+    config = kwargs.pop("config", ds_config(4, acco))
+    with pytest.raises(ValueError) as err:
+        ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model), config=config, mpu=mpu, **kwargs)
+    assert "fix:" in str(err.value)
+    return str(err.value)
+
+
 @pytest.mark.parametrize("tp,pp,sp,name", [(1, 2, 1, "get_pipeline_model_parallel_world_size"),
                                            (2, 2, 1, "get_pipeline_model_parallel_world_size"),
                                            (1, 1, 2, "get_sequence_parallel_world_size")])
 def test_model_parallelism_is_refused(tp, pp, sp, name):
+    assert f"mpu.{name}() = 2" in _refusal(mpu=FakeMPU(tp, pp, sp))
+
+
+@pytest.mark.parametrize("how,kwargs", [
+    ("sequence_parallel_size = 2", {"config": ds_config(4, ACCO, sequence_parallel_size=2, data_parallel_size=1)}),
+    ("mesh_param[1] (the sequence-parallel size of the mesh) = 2", {"mesh_param": (1, 2)})])
+def test_ulysses_from_the_config_or_a_mesh_is_refused(how, kwargs):
+    msg = _refusal(**kwargs)
+    assert f"acco.enabled = true with sequence parallelism: {how}" in msg and "--ds-sequence-parallel-size 1" in msg
+
+
+def _megatron_model(sequence_parallel):
+    """TinyNet with the attributes Megatron sets: ``sequence_parallel`` on every layer norm weight and
+    bias and on row-parallel biases, True under --sequence-parallel and False otherwise."""
     model = TinyNet(seed=0)
-    with pytest.raises(ValueError) as err:
-        ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model), config=ds_config(4, ACCO),
-                           mpu=FakeMPU(tp, pp, sp))
-    assert f"mpu.{name}() = 2" in str(err.value) and "fix:" in str(err.value)
+    for p in (model.fc1.bias, model.fc2.bias):
+        p.sequence_parallel = sequence_parallel
+    return model
+
+
+def test_megatron_sequence_parallelism_is_refused():
+    msg = _refusal(_megatron_model(True), mpu=FakeMPU(tp=2))
+    assert "Megatron's sequence parallelism: 2 parameters marked sequence_parallel = True (e.g. 'fc1.bias')" in msg
+    assert "mpu.get_model_parallel_world_size() = 2" in msg  # what it read the tensor-parallel size from
+    assert "summed over the tensor-parallel group" in msg and "fix: run without --sequence-parallel" in msg
+
+
+@pytest.mark.parametrize("sequence_parallel,tp", [(False, 2), (True, 1)])
+def test_megatron_without_sequence_parallelism_passes_the_check(sequence_parallel, tp):
+    """Megatron marks its layer norms sequence_parallel = False without the flag, and turns the flag
+    off itself at tensor-parallel size 1 (every rank then sees the whole sequence)."""
+    model = _megatron_model(sequence_parallel)
+    check_layout(AccoConfig(enabled=True), requested_layout({}, FakeMPU(tp=tp), model))
 
 
 def test_moe_experts_are_refused():
     model = TinyNet(seed=0)
     model.fc2.weight.allreduce = False  # how DeepSpeed marks expert parameters
-    with pytest.raises(ValueError) as err:
-        ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model), config=ds_config(4, ACCO))
-    assert "MoE expert parameters" in str(err.value) and "'fc2.weight'" in str(err.value)
+    msg = _refusal(model)
+    assert "MoE expert parameters" in msg and "'fc2.weight'" in msg
+
+
+AUTOTP = {"autotp_size": 2}
+
+
+@pytest.mark.parametrize("accumulation", ["dynamic", "shared"])
+def test_per_rank_phase_lengths_under_autotp_are_refused_before_any_engine(accumulation):
+    """No mpu: the tensor-parallel size is read from the config (and again from the engine's groups,
+    tests/deepspeed/test_autotp.py)."""
+    msg = _refusal(config=ds_config(4, dict(ACCO, accumulation=accumulation), tensor_parallel=AUTOTP))
+    assert (f"acco.accumulation = '{accumulation}' with tensor parallelism (AutoTP: "
+            "tensor_parallel.autotp_size = 2") in msg and 'fix: set "accumulation": "fixed"' in msg
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_data_and_tensor_parallel_mpu_pass_the_check(tp):
-    from ds_acco.deepspeed.engine import _refuse_model_parallelism
-    _refuse_model_parallelism(TinyNet(seed=0), FakeMPU(tp, 1))  # no error: handed on to DeepSpeed
-    assert torch.is_tensor(next(TinyNet(seed=0).parameters()))
+def test_data_and_tensor_parallel_pass_the_check(tp):
+    check_layout(AccoConfig(enabled=True), requested_layout({}, FakeMPU(tp, 1), TinyNet(seed=0)))
+    check_layout(AccoConfig(enabled=True), requested_layout({"tensor_parallel": {"autotp_size": tp}},
+                                                            model=TinyNet(seed=0)))  # AutoTP, fixed accumulation
+
+
+def test_every_refusal_names_what_why_and_fix():
+    """The table the refusals come from: each row says what it refuses, why, and the fix."""
+    assert len({r.what for r in LAYOUT_REFUSALS}) == len(LAYOUT_REFUSALS)
+    assert all(r.what and len(r.why) > 20 and len(r.fix) > 10 for r in LAYOUT_REFUSALS)

@@ -111,6 +111,17 @@ def test_check_world_size_on_the_command_line(tmp_path, capsys):
     assert "--world-size 0: the data-parallel size must be an integer >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("accumulation,rc", [("fixed", 0), ("dynamic", 2), ("shared", 2)])
+def test_check_refuses_the_layouts_the_config_asks_for(tmp_path, accumulation, rc):
+    """AutoTP from the config: fixed passes, per-rank phase lengths are refused, as at initialize."""
+    config = {**BASE, "tensor_parallel": {"autotp_size": 2}, "acco": {"enabled": True, "accumulation": accumulation}}
+    got, _, err = run_check(tmp_path, config, world_size=2)
+    assert got == rc, err
+    if rc:
+        assert (f"acco.accumulation = '{accumulation}' with tensor parallelism (AutoTP: "
+                "tensor_parallel.autotp_size = 2") in err and 'fix: set "accumulation": "fixed"' in err
+
+
 def test_check_missing_file(tmp_path):
     err = io.StringIO()
     assert cli.check(str(tmp_path / "nope.json"), out=io.StringIO(), err=err) == 2

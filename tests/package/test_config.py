@@ -122,3 +122,40 @@ def test_ranks_disagreeing_is_refused_at_initialisation(blocks):
     errors = run_ranks(lifecycle_workers.mismatched_init, per_rank_acco=blocks, timeout=scaled(40))
     for msg in errors:
         assert "differs between ranks" in msg and "rank 0" in msg and "rank 1" in msg and "fix" in msg, msg
+
+
+# -- the config sources deepspeed.initialize accepts ---------------------------------------------------
+def test_configs_are_read_from_every_source_deepspeed_reads(tmp_path):
+    """A dict, a JSON or HJSON file, base64-encoded JSON (DeepSpeed's autotuner passes those) and
+    args.deepspeed_config: what DeepSpeed's own reader makes of them."""
+    import argparse
+    import base64
+
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config as deepspeed_reads
+
+    block = {"train_micro_batch_size_per_gpu": 2, "acco": {"enabled": True, "mode": "dpu"}}
+    (tmp_path / "c.json").write_text(json.dumps(block))
+    (tmp_path / "c.hjson").write_text("{\n  # a comment\n  train_micro_batch_size_per_gpu: 2\n"
+                                      "  acco: {\n    enabled: true\n    mode: dpu\n  }\n}\n")
+    encoded = base64.urlsafe_b64encode(json.dumps(block).encode()).decode()
+    for source in (block, str(tmp_path / "c.json"), tmp_path / "c.json", str(tmp_path / "c.hjson"), encoded):
+        got = load_ds_config(source)
+        assert got == block == json.loads(json.dumps(deepspeed_reads(str(source) if not isinstance(source, dict)
+                                                                     else source))), source
+        assert acco_config_of(got).mode == "dpu"
+    assert load_ds_config(args=argparse.Namespace(deepspeed_config=encoded)) == block
+
+
+@pytest.mark.parametrize("source", ["missing.json", "bm90IGpzb24"])  # a path that is not there; base64 of "not json"
+def test_an_unreadable_config_is_an_os_error(tmp_path, source):
+    with pytest.raises(FileNotFoundError, match="no such DeepSpeed config file.*nor is it base64-encoded JSON"):
+        load_ds_config(str(tmp_path / source) if source.endswith(".json") else source)
+
+
+def test_the_opt_out_reads_off_only():
+    from ds_acco.config import opted_out
+    assert opted_out({"DS_ACCO": "off"}) and opted_out({"DS_ACCO": " OFF "})
+    assert not opted_out({}) and not opted_out({"DS_ACCO": ""})
+    for value in ("on", "1", "stock"):
+        with pytest.raises(ValueError, match=f"DS_ACCO = '{value}': unknown value; fix: DS_ACCO=off"):
+            opted_out({"DS_ACCO": value})

@@ -24,6 +24,8 @@ import pytest
 
 from ds_acco import cli, configs
 from ds_acco.bench import worker
+from dist import TORCHRUN_RENDEZVOUS, communicate, launch
+from test_autoinstall import GUARD_SCRIPT, STOCK, check_guard_run, guard_env
 from timeouts import scaled
 from ds_acco.bench import runner
 
@@ -172,8 +174,49 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     heavy, hook_file, installed, routed = json.loads(auto[auto.index("AUTO ") + 5:].splitlines()[0])
     assert heavy == [] and _inside(hook_file, venv) and installed and routed, auto[-2000:]
 
+    # The installed .pth: an enabled "acco" block never trains stock silently, whoever builds the engine.
+    guard = subprocess.run([py, GUARD_SCRIPT, tmp_path / "store", work], cwd=work, env=guard_env(env),
+                           capture_output=True, text=True, timeout=scaled(180))
+    assert guard.returncode == 0, guard.stdout[-3000:] + guard.stderr[-3000:]
+    check_guard_run(guard.stdout, guard.stderr)
+    # ... under the launchers, plain (no ds_acco run, no DS_ACCO_INSTALL): every rank stops before training
+    config = work / "acco.json"
+    config.write_text(json.dumps(ACCO_ON))
+    for name, out, rc in _plain_launches(py, config, work, env):
+        assert rc not in (0, None), (name, out[-3000:])
+        assert STOCK in out and "python -m ds_acco run SCRIPT.py" in out, (name, out[-3000:])
+        assert "PLAIN_RESULT" not in out and "ACCO is on" not in out, (name, out[-3000:])
+
     # The reference model builds and computes a loss from the installed package.
     loss = _run([py, "-c", "import torch; from ds_acco.gpt import CausalLM; torch.manual_seed(0); "
                  "print(CausalLM(8, n_embd=16, n_layer=1, n_head=2)(torch.zeros(2, 9, dtype=torch.long)).item())"],
                 cwd=work, env=env).stdout
     assert float(loss) > 0
+
+
+ACCO_ON = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "acco": {"enabled": True}}
+PLAIN_SCRIPT = REPO / "tests" / "launch" / "plain_ds_script.py"
+
+
+def _plain_launches(py, config, cwd, env):
+    """tests/launch/plain_ds_script.py (a script that knows nothing of ds_acco) on 2 ranks under the
+    deepspeed launcher and under torchrun, from the wheel's interpreter: (launcher, output, exit status)."""
+    env = {**env, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cwd / "torch_extensions"))}
+    args = [str(PLAIN_SCRIPT), "--deepspeed", str(config)]
+
+    def start(cmd):
+        return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    proc, out, timed_out = launch(lambda port: start([py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                                                      "--master_addr", "127.0.0.1", "--master_port", port, *args]),
+                                  scaled(120))
+    assert not timed_out, out[-3000:]
+    yield "deepspeed", out, proc.returncode
+    proc = start([py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", *TORCHRUN_RENDEZVOUS,
+                  *args])
+    out, timed_out = communicate(proc, scaled(120))
+    assert not timed_out, out[-3000:]
+    yield "torchrun", out, proc.returncode
