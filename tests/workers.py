@@ -30,7 +30,13 @@ def train(case: dict, use_ds_acco: bool = True):
     else:
         opt = make_optimizer(case["optimizer"])(model)
         sched = make_scheduler(case.get("schedule"))
-        engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
+        try:
+            engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None,
+                                   config=cfg)
+        except ValueError as exc:
+            if case.get("refused"):  # the case expects a refusal at initialize: report its message
+                return {"refused": str(exc)}
+            raise
     if case.get("sim_scaler"):
         install_dynamic_scaler(engine, case["sim_scaler"])
     lane_log = install_gated_lane(engine, case["gated"]) if case.get("gated") else None

@@ -69,7 +69,7 @@ class RoundResult:
     wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
     collected_at: float = 0.0
     skipped: bool = False  # non-finite mean gradient: no update (the estimate fell back to θ)
-    lr_factor: float = 1.0  # the learning-rate multiplier the step used (dynamic mode's lr_scaling)
+    lr_factor: float = 1.0  # the learning-rate multiplier the step used (dynamic lr_scaling; × estimate.lr_scale)
     lr: Optional[float] = None  # the first param group's learning rate the step used (× lr_factor)
     # tensor parallelism: some rank of the whole data-parallel × model-parallel grid asked to stop
     # (SIGTERM) with this round; the counts table only carries this data-parallel group's requests
@@ -124,6 +124,8 @@ class RoundContext:
     nominal_phase_micro_batches: int = 0  # one fixed-mode phase, all ranks
     commit_phases: int = 1  # phases a commit round's gradients span (2 in mode acco)
     read_counts_first: bool = False  # dynamic mode: read the counts table before the reduce (drain aborts)
+    estimate_lr_scale: float = 1.0  # an estimate round's LR × this (acco.estimate.lr_scale)
+    committed_second_moment: bool = False  # an estimate round reuses Adam's committed v
     pending_drift: Optional[torch.Tensor] = None  # the last commit's drift sums, on the device, not yet read
 
     def lr_factor(self, kind: "RoundKind", micro_batches: int) -> float:
@@ -322,7 +324,9 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     write_shards(ctx, kind)
                 else:
                     outs = [v for g in ctx.groups for v in g.param_outputs(kind)]
-                    ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor, settings=settings)
+                    lr_factor *= ctx.estimate_lr_scale
+                    ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor, settings=settings,
+                                                      committed_second_moment=ctx.committed_second_moment)
         del grads, flat_grads
         with record_function("ACCO::all_gather"):
             gather(ctx)

@@ -53,6 +53,10 @@ class ScheduleOptions:
     history: int = 4096  # phases kept for metrics
     lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
     nominal_phase: int = 0  # micro-batches per rank of a fixed-mode phase (the count lr_power compares to)
+    estimate_lr_scale: float = 1.0  # the estimate's LR × this (acco.estimate.lr_scale; 1: the paper's)
+    committed_second_moment: bool = False  # the estimate reuses Adam's committed v (acco.estimate.second_moment)
+    delay_compensation: float = 0.0  # λ of the commit's delay compensation (acco.estimate.delay_compensation)
+    sync_warmup_steps: int = 0  # the first N steps run stock's synchronous schedule (acco.sync_warmup_steps)
 
     def __post_init__(self):
         if self.mode not in ("acco", "dpu"):
@@ -72,7 +76,11 @@ class ScheduleOptions:
                    chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
                    lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
                              if acco.accumulation == "dynamic" else 0.0),
-                   nominal_phase=acco.phase_length(gradient_accumulation_steps))
+                   nominal_phase=acco.phase_length(gradient_accumulation_steps),
+                   estimate_lr_scale=acco.estimate.lr_scale,
+                   committed_second_moment=acco.estimate.second_moment == "committed",
+                   delay_compensation=acco.estimate.delay_compensation,
+                   sync_warmup_steps=acco.sync_warmup_steps)
 
 
 class AccoSchedule(DrainAgreement, ScheduleState):
@@ -122,7 +130,8 @@ class AccoSchedule(DrainAgreement, ScheduleState):
             chunk_elems=options.chunk_elems, lr_power=options.lr_power,
             nominal_phase_micro_batches=options.nominal_phase * world,
             commit_phases=2 if options.mode == "acco" else 1,
-            read_counts_first=not isinstance(options.phases, FixedPhases))
+            read_counts_first=not isinstance(options.phases, FixedPhases),
+            estimate_lr_scale=options.estimate_lr_scale, committed_second_moment=options.committed_second_moment)
         # The rounds' window: the user's, or chosen for the device and the shard (chunking.py).
         device = self.groups[0].comm.device
         self.context.chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in self.groups),
