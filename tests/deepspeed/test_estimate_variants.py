@@ -74,3 +74,38 @@ def test_variants_needing_adams_second_moment_refuse_other_optimizers():
     for message in out[0]:
         assert "reads the committed second moment" in message["refused"] and "SGD" in message["refused"]
         assert "fix:" in message["refused"]
+
+
+def _reference_lag(case, **variant):
+    """The reference's drift ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖ and cosine of (θ̃_{t+1} − θ_t, θ_{t+1} − θ_t)
+    for t = 0 .. STEPS-2 (what the commit of step t measures)."""
+    thetas = [{n: p.detach().double() for n, p in TinyNet(seed=0).named_parameters()}]
+    estimates = []
+    for t in range(1, STEPS):
+        log = []
+        thetas.append(reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=t, mode="acco",
+                                    make_optimizer=make_optimizer(case.get("ref_optimizer", case["optimizer"])),
+                                    make_scheduler=make_scheduler("inv"), clip=case.get("clip", 0.0),
+                                    estimate_log=log, **variant))
+        estimates.append(log[-1])  # θ̃_t
+    out = []
+    for t in range(STEPS - 1):
+        est, th0, th1 = estimates[t], thetas[t], thetas[t + 1]
+        sq = lambda a, b: sum(float(((a[n] - b[n]) ** 2).sum()) for n in th0)  # noqa: E731
+        miss, commit, estimate = sq(est, th1), sq(th1, th0), sq(est, th0)
+        out.append((miss ** 0.5 / commit ** 0.5, (commit + estimate - miss) / (2 * (commit * estimate) ** 0.5)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["default", "lr-scale-2-adamw"])
+def test_drift_and_cosine_metrics_are_the_references(runs, name):
+    """Each commit's drift and cosine (metrics 'prev_step_estimate_drift' / '_cos', reported with the
+    next commit) equal the reference's for the same step: the lag metric the fidelity table reports."""
+    case = next(c for c in CASES if c["name"] == name)
+    want = _reference_lag(case, **case["ref"])
+    records = [m for m in runs[name][0]["metrics"] if "prev_step_estimate_drift" in m]
+    got = [(m["prev_step_estimate_drift"], m["prev_step_estimate_cos"]) for m in records]
+    assert len(got) == len(want) == STEPS - 1
+    for (d, c), (wd, wc) in zip(got, want):
+        assert d == pytest.approx(wd, rel=1e-4) and c == pytest.approx(wc, rel=1e-4, abs=1e-5)
+    assert max(d for d, _ in want) > 0.05 and min(c for _, c in want) < 0.9999  # not a degenerate case
