@@ -40,6 +40,21 @@ from .rounds import RoundContext, RoundKind, RoundResult, run_round
 from .schedule_state import ScheduleState, _InFlight
 
 
+class RoundInFlightError(RuntimeError):
+    """An export (``state_dict()``) in dynamic accumulation while the round that holds the
+    committed weights is still running: it needs peers that may launch it only later."""
+
+
+def _in_flight_message(inflight: _InFlight) -> str:
+    return (f"ACCO dynamic accumulation: the model's weights were read for an export (state_dict(), "
+            f"save_pretrained, save_16bit_model, ...) while this rank's {inflight.kind.value} round of step "
+            f"{inflight.step} is still running; the committed weights need every rank to finish it, and in dynamic "
+            "mode a peer may launch it only later, so an export does not wait for it (on one rank alone it would "
+            "hang); fix: export inside `with ds_acco.committed_weights(engine):` entered on every rank at the same "
+            "micro-batch count (e.g. `if rank == 0: torch.save(model.state_dict(), path)` inside it), or after "
+            "engine.destroy() / acco.close()")
+
+
 @dataclass(frozen=True)
 class ScheduleOptions:
     """How the schedule runs; built from the ``"acco"`` config by :meth:`from_config`."""
@@ -145,7 +160,8 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         self.round_observers: List[Callable[[RoundResult], None]] = []  # called as each round is collected
         self._decision: Optional[tuple] = None  # (micro-batch index, why the phase ends or None)
         self._inflight: Optional[_InFlight] = None
-        self._swapped = False  # inside committed_weights: live and gathered exchanged
+        self._swapped = False  # live and gathered exchanged: inside committed_weights, or held
+        self._held = False  # the exchange is a hold (hold_committed_weights), undone by the next micro-batch
         self._closed = False
         self.last_commit_grad_norm: Optional[float] = None  # the newest collected commit's (checkpointed)
         self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
@@ -169,6 +185,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     def decide_phase_end(self) -> bool:
         """Decide, once per micro-batch, whether the phase ends with it (later calls agree)."""
         if self._decision is None or self._decision[0] != self.micro_batches:
+            self.release_committed_weights()  # a micro-batch runs on the live weights
             self._check_drains_pair_up()
             why = self._why_phase_ends()
             inflight = self._inflight
@@ -193,6 +210,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     def before_backward(self) -> None:
         """Before each backward pass: a loss scale set from outside (e.g. ``override_loss_scale``)
         is applied to G before gradients at the new scale land."""
+        self.release_committed_weights()
         self._sync_accumulated_loss_scale()
 
     def record_micro_batch(self, weight: float = 1.0) -> None:
@@ -206,6 +224,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         """Phase boundary: collect the round in flight, swap, launch the next round (with
         ``exchanged``: join a round whose counts table a drain probe already exchanged)."""
         with record_function("ACCO::phase_end"):
+            self.release_committed_weights()  # the swap below moves the live weights the compute lane ran on
             self._measure_phase()
             ended, wait_s, collected = self.phase, 0.0, self._inflight
             if reason is None and self._decision and self._decision[0] == self.micro_batches - 1:
@@ -252,7 +271,9 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         """Inside: the live weights hold the newest committed θ; on exit, the live state is restored.
 
         A commit round in flight is waited for (its θ is the newest); an estimate round is not:
-        the live weights already are the committed θ_t and the round may go on.
+        the live weights already are the committed θ_t and the round may go on. Collective in
+        dynamic mode (an agreed drain): every rank enters it at the same micro-batch count. Held
+        already (:meth:`hold_committed_weights`): θ stays in place after the block too.
         """
         with self._off_the_clock(), self._swapped_to_committed():  # an evaluation is not micro-batch compute
             yield
@@ -261,28 +282,85 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     def _swapped_to_committed(self):
         if self.agrees_drains:
             self.drain()  # on every rank, whatever the kind in flight: drains must pair up
+        if self._swapped:  # held: θ is in place, and stays until the next micro-batch
+            yield
+            return
         inflight = self._inflight
         swap = inflight is not None and inflight.kind is RoundKind.COMMIT
         if swap:  # B holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu)
             if not self.agrees_drains:
                 self.drain()
-            for g in self.groups:
-                g.swap_live_and_gathered()
-            self._swapped = True
+            self._swap_live_and_gathered()
         try:
             yield
         finally:
             if swap:
-                for g in self.groups:
-                    g.swap_live_and_gathered()
-                self._swapped = False
+                self._swap_live_and_gathered()
+
+    def hold_committed_weights(self, agreed: bool = False, settle_shards: bool = False) -> None:
+        """Put the newest committed θ into the live weights and leave it there until the compute
+        lane's next micro-batch (:meth:`release_committed_weights`, which every call of the
+        micro-batch protocol makes first), or for good once closed: an export (``state_dict()``)
+        or an evaluation outside a ``with committed_weights()`` block. Exchanges live weights and
+        B in place (no copy); nothing changes inside a ``committed_weights()`` block or when held.
+
+        Without ``agreed`` this is no collective and waits for nothing a peer has yet to do, so
+        one rank alone may call it (an export on rank 0): fixed mode waits for the commit round
+        in flight, which every rank launched at the same micro-batch count; in dynamic mode a peer
+        may launch that round only later, so it is taken only once it has finished, and before
+        that :class:`RoundInFlightError` says how to export. ``agreed``: every rank calls it at
+        the same micro-batch count (an evaluation): dynamic mode drains first, as
+        ``committed_weights()`` does. ``settle_shards``: the caller reads the master shards too
+        (FSDP2's ``state_dict()``), and an estimate round of an optimizer without a functional
+        estimate steps them in place (then restores them): it is waited for as well.
+        """
+        if self._swapped:
+            return
+        with self._off_the_clock():
+            if agreed and self.agrees_drains:
+                self.drain()
+            inflight = self._inflight
+            if inflight is None:
+                return  # bootstrap, or everything collected: the live weights are θ
+            estimate = inflight.kind is RoundKind.ESTIMATE
+            if estimate and not (settle_shards and not self.context.shard_optimizer.functional):
+                return  # the live weights are the committed θ_t the round started from
+            if self.agrees_drains and inflight.result is None and not inflight.handle.done():
+                raise RoundInFlightError(_in_flight_message(inflight))
+            self._wait(inflight)
+            if estimate:
+                return
+            self._swap_live_and_gathered()
+            self._held = True
+
+    def release_committed_weights(self) -> None:
+        """Undo :meth:`hold_committed_weights`: the live weights the schedule runs on are back,
+        bit for bit. No-op when nothing is held, inside ``committed_weights()``, and once closed
+        (a closed schedule leaves θ in the model)."""
+        if self._held and not self._closed:
+            self._swap_live_and_gathered()
+            self._held = False
+
+    @property
+    def holds_committed_weights(self) -> bool:
+        """Whether :meth:`hold_committed_weights` left θ in the live weights until the next micro-batch
+        (False once closed: then θ stays for good)."""
+        return self._held and not self._closed
+
+    def _swap_live_and_gathered(self) -> None:
+        for g in self.groups:
+            g.swap_live_and_gathered()
+        self._swapped = not self._swapped
 
     def close(self) -> None:
-        """Drain and stop the lane (once: later calls do nothing)."""
+        """Drain, leave the committed θ in the live weights for good (nothing trains after a
+        close, and whatever reads the model next, an export, gets θ) and stop the lane (once:
+        later calls do nothing)."""
         if self._closed:
             return
         try:
             self.drain()
+            self.hold_committed_weights()
         finally:
             self._closed = True
             self.lane.close()

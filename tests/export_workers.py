@@ -1,0 +1,278 @@
+"""Rank functions for tests/integration/test_exports.py: a real ``accelerate.Accelerator`` (DeepSpeed
+plugin) and a real ``transformers.Trainer`` train a tiny GPT-2 with ACCO; the model is then
+exported through every path a user has, and a fresh process reloads each export and evaluates it.
+
+After ``A·T`` micro-batches in fixed mode the commit round of step T-1 is in flight and the model's
+parameters are the estimate θ̃_T (the last phase was an estimate phase): an export that reads the
+parameters as they are gets θ̃, not the committed θ_T that an evaluation inside
+``ds_acco.committed_weights`` sees.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import ds_acco
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = 2  # token rows per micro-batch
+
+
+def _rows(seed: int, n: int = ROWS):
+    from hf_workers import SEQ, VOCAB
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+def micro_batch(rank: int, i: int):
+    return _rows(1000 * rank + i + 7)
+
+
+def eval_rows():
+    return _rows(424242, 4)
+
+
+def eval_loss(model) -> float:
+    """The held-out loss of ``model`` (a bare GPT-2) as a float: the same computation in any process."""
+    x = eval_rows()
+    with torch.no_grad():
+        return float(model(input_ids=x, labels=x).loss)
+
+
+def snapshot(module) -> dict:
+    return {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+
+
+def _accelerator(gas: int, acco: dict | None):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from hf_workers import _reset_accelerate
+    ds_acco.install()
+    sys.path.insert(0, REPO)
+    from examples.finetune_hf_trainer import fix_accelerate_on_cpu_host
+    fix_accelerate_on_cpu_host()
+    _reset_accelerate()  # several Accelerators, one after the other, in this process
+    cfg = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": gas,
+           "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0, "steps_per_print": 10**9}
+    if acco is not None:
+        cfg["acco"] = {"enabled": True, **acco}
+    return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=gas)
+
+
+def _prepared(gas: int, acco: dict | None):
+    from hf_workers import build_model
+    accelerator = _accelerator(gas, acco)
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.5 * s))
+    engine, opt, sched = accelerator.prepare(model, opt, sched)
+    return accelerator, engine, opt, sched
+
+
+def _train(accelerator, engine, opt, sched, start: int, stop: int, on_micro_batch=None):
+    """Accelerate's documented loop over micro-batches ``start..stop-1``; returns the losses."""
+    from hf_workers import accelerate_micro_batch
+    rank = int(os.environ["RANK"])
+    losses = []
+    for i in range(start, stop):
+        engine.train()
+        x = micro_batch(rank, i)
+        forward = lambda: engine(input_ids=x, labels=x).loss  # noqa: E731
+        losses.append(accelerate_micro_batch(accelerator, engine, opt, sched, forward))
+        if on_micro_batch is not None:
+            on_micro_batch(i)
+    return losses
+
+
+def accelerate_exports(case: dict, out_dir: str) -> dict:
+    """Train ``gas * steps`` micro-batches, then export through each path, one at a time, each
+    starting from the state the loop left (the model back on the estimate between two exports).
+    Returns where each export lies, the in-loop evaluation on θ and the estimate for contrast."""
+    gas, steps = case["gas"], case["steps"]
+    accelerator, engine, opt, sched = _prepared(gas, case.get("acco", {}))
+    rank = accelerator.process_index
+    unwrapped = accelerator.unwrap_model(engine)
+    _train(accelerator, engine, opt, sched, 0, gas * steps)
+    schedule = getattr(engine.optimizer, "schedule", None)
+    out = {"engine": type(engine).__name__, "num_processes": accelerator.num_processes,
+           "in_flight": None if schedule is None else str(schedule.round_in_flight),
+           "estimate": snapshot(unwrapped), "paths": {}, "live_between": []}
+
+    def back_to_the_loop_state():
+        engine.train()  # what the next training call does: the live weights the loop left
+        out["live_between"].append(all(torch.equal(p, out["estimate"][n]) for n, p in snapshot(unwrapped).items()))
+
+    path = os.path.join(out_dir, "get_state_dict.pt")
+    state = accelerator.get_state_dict(engine)  # every rank, as Accelerate's docs do
+    if accelerator.is_main_process:
+        torch.save(state, path)
+    out["paths"]["get_state_dict"] = ("state_dict", path)
+    back_to_the_loop_state()
+
+    path = os.path.join(out_dir, "unwrapped_state_dict.pt")
+    if accelerator.is_main_process:  # rank 0 alone: no collective, no wait on a peer
+        torch.save(unwrapped.state_dict(), path)
+    out["paths"]["unwrap_model().state_dict"] = ("state_dict", path)
+    accelerator.wait_for_everyone()
+    back_to_the_loop_state()
+
+    path = os.path.join(out_dir, "save_pretrained")
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(path)
+    out["paths"]["save_pretrained"] = ("pretrained", path)
+    accelerator.wait_for_everyone()
+    back_to_the_loop_state()
+
+    path = os.path.join(out_dir, "save_16bit_model")
+    engine.save_16bit_model(path)  # every rank, as DeepSpeed's docs say
+    out["paths"]["save_16bit_model"] = ("state_dict", os.path.join(path, "pytorch_model.bin"))
+    back_to_the_loop_state()
+
+    path = os.path.join(out_dir, "checkpoint")
+    engine.save_checkpoint(path, tag="final")
+    out["paths"]["zero_to_fp32"] = ("zero", path)
+    back_to_the_loop_state()
+
+    # The in-loop evaluation, on θ (the README's way), and the committed weights it ran on.
+    with ds_acco.committed_weights(engine):
+        out["committed"] = snapshot(unwrapped)
+        out["eval_loss"] = eval_loss(unwrapped)
+    out["global_steps"] = engine.global_steps
+    accelerator.wait_for_everyone()
+    if rank != 0:
+        out["paths"] = {}
+    engine.destroy()
+    return out
+
+
+def load_export(kind: str, path: str):
+    """A fresh bare GPT-2 holding what one export wrote."""
+    from transformers import GPT2LMHeadModel
+
+    from hf_workers import build_model
+    if kind == "pretrained":
+        return GPT2LMHeadModel.from_pretrained(path)
+    if kind == "zero":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(path, tag="final")
+    else:
+        state = torch.load(path, weights_only=True)
+    model = build_model()
+    model.load_state_dict(state)
+    return model
+
+
+def reload_and_evaluate(paths: dict) -> dict:
+    """In a fresh process: each export reloaded, its weights and its held-out loss."""
+    out = {}
+    for name, (kind, path) in paths.items():
+        model = load_export(kind, path)
+        out[name] = {"weights": snapshot(model), "eval_loss": eval_loss(model)}
+    return out
+
+
+# -- training goes on after an export, bit for bit --------------------------------------------------
+def accelerate_export_mid_loop(case: dict, out_dir: str) -> dict:
+    """Two runs of ``gas * steps`` micro-batches: one that only evaluates on θ (inside
+    ``committed_weights``) after micro-batch ``at``, one that exports there instead (rank 0:
+    ``unwrap_model(model).state_dict()``; every rank: ``get_state_dict``) and goes on training.
+    The export must be that θ, and the run must go on exactly as the first."""
+    gas, steps, at = case["gas"], case["steps"], case["at"]
+    out = {}
+    for name in ("evaluated", "exported"):
+        accelerator, engine, opt, sched = _prepared(gas, case.get("acco", {}))
+        unwrapped = accelerator.unwrap_model(engine)
+        seen = {}
+
+        def at_micro_batch(i, name=name, engine=engine, accelerator=accelerator, unwrapped=unwrapped, seen=seen):
+            if i not in at:
+                return
+            if name == "evaluated":
+                seen[f"kind{i}"] = str(engine.optimizer.schedule.round_in_flight)
+                with ds_acco.committed_weights(engine):
+                    seen[i] = snapshot(unwrapped)
+                return
+            if accelerator.is_main_process:
+                path = os.path.join(out_dir, f"mid{i}.pt")
+                torch.save(unwrapped.state_dict(), path)
+                seen[i] = {n: t.clone() for n, t in torch.load(path, weights_only=True).items()}
+            state = accelerator.get_state_dict(engine)
+            seen[f"all{i}"] = {n: state[n] for n, _ in unwrapped.named_parameters()}
+
+        losses = _train(accelerator, engine, opt, sched, 0, gas * steps, at_micro_batch)
+        with ds_acco.committed_weights(engine):
+            final = snapshot(unwrapped)
+        out[name] = {"losses": losses, "final": final, "seen": seen, "global_steps": engine.global_steps}
+        engine.destroy()
+    return out
+
+
+# -- HF Trainer --------------------------------------------------------------------------------------
+def trainer_exports(case: dict) -> dict:
+    """``Trainer.train()`` with ACCO, then ``trainer.evaluate()`` and exports: the Trainer's
+    ``save_model`` (every rank), ``trainer.model.save_pretrained`` (rank 0) and Accelerate's
+    ``get_state_dict`` (every rank), each from the state ``train()`` left."""
+    from transformers import Trainer, TrainingArguments, set_seed
+
+    from hf_workers import SEQ, VOCAB, _Rows, build_model
+    ds_acco.install()
+    sys.path.insert(0, REPO)
+    from examples.finetune_hf_trainer import fix_accelerate_on_cpu_host
+    fix_accelerate_on_cpu_host()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    set_seed(0)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, VOCAB, (128, SEQ), generator=g)
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+          "acco": {"enabled": True, **case.get("acco", {})}}
+    out_dir = case["out_dir"]
+    args = TrainingArguments(
+        output_dir=out_dir, deepspeed=ds, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=case["gas"], learning_rate=3e-3, weight_decay=0.0, adam_beta2=0.99,
+        max_grad_norm=0.0, lr_scheduler_type="linear", max_steps=case["steps"], logging_steps=1,
+        save_strategy="no", eval_strategy="no", report_to=[], dataloader_num_workers=0, seed=0, data_seed=0,
+        disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=build_model(), args=args, train_dataset=_Rows(rows), eval_dataset=_Rows(rows[:8]))
+    trainer.train()
+    engine = trainer.model_wrapped
+    model = trainer.model
+    is_main = trainer.is_world_process_zero()
+    out = {"engine": type(engine).__name__, "in_flight": str(engine.optimizer.schedule.round_in_flight),
+           "estimate": snapshot(model), "paths": {}, "live_between": []}
+
+    def back_to_the_loop_state():
+        engine.train()
+        out["live_between"].append(all(torch.equal(p, out["estimate"][n]) for n, p in snapshot(model).items()))
+
+    path = os.path.join(out_dir, "pretrained")
+    if is_main:
+        model.save_pretrained(path)
+    out["paths"]["model.save_pretrained"] = ("pretrained", path)
+    trainer.accelerator.wait_for_everyone()
+    back_to_the_loop_state()
+
+    path = os.path.join(out_dir, "save_model")
+    trainer.save_model(path)
+    out["paths"]["Trainer.save_model"] = ("pretrained", path)
+    back_to_the_loop_state()
+
+    path = os.path.join(out_dir, "get_state_dict.pt")
+    state = trainer.accelerator.get_state_dict(engine)
+    if is_main:
+        torch.save(state, path)
+    out["paths"]["accelerator.get_state_dict"] = ("state_dict", path)
+    trainer.accelerator.wait_for_everyone()
+    back_to_the_loop_state()
+
+    out["trainer_eval_loss"] = trainer.evaluate()["eval_loss"]  # the Trainer's own, on θ (ds_acco.install())
+    with ds_acco.committed_weights(engine):
+        out["committed"] = snapshot(model)
+        out["eval_loss"] = eval_loss(model)
+    if not is_main:
+        out["paths"] = {}
+    engine.destroy()
+    return out
