@@ -76,8 +76,9 @@ class ExportHooks:
         """Put the live weights the schedule runs on back (no-op when nothing is held)."""
         schedule = self._schedule()
         if schedule is not None:
-            schedule.release_committed_weights()
-        self._unregister_forward()
+            schedule.release_committed_weights()  # not inside a committed_weights() block
+        if schedule is None or not schedule.holds_committed_weights:
+            self._unregister_forward()
 
     def remove(self) -> None:
         """Remove every hook (the engine is done: its schedule left θ in the model for good)."""

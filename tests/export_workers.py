@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -276,3 +277,85 @@ def trainer_exports(case: dict) -> dict:
         out["paths"] = {}
     engine.destroy()
     return out
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------
+def _slow_estimate(acco, seconds: float):
+    """The estimate of an optimizer without a functional step (snapshot, real step on the master
+    shards, read, restore) held ``seconds`` inside, with the shards on θ̃; the event is set then."""
+    import threading
+    so = acco.driver.shard_optimizer
+    inner, inside = so.estimate, threading.Event()
+
+    def estimate(grads, read):
+        def slow_read():
+            out = read()
+            inside.set()
+            time.sleep(seconds)
+            return out
+        return inner(grads, slow_read)
+    so.estimate = estimate
+    return inside
+
+
+def fsdp_exports(case: dict, out_dir: str) -> dict:
+    """Two AccoFSDP runs of ``gas * steps`` micro-batches: one evaluates on θ (inside
+    ``committed_weights``) after each micro-batch in ``at``, the other exports there instead
+    (rank 0 alone: ``model.state_dict()``, its local shards; every rank: ``get_model_state_dict``
+    full) and, after the loop, writes the full state dict (rank 0) for a fresh process to reload."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fixtures import batch
+    from fsdp_workers import build, feed, live_snapshot
+    from workers import install_slow_lane
+    rank, total, at = int(os.environ["RANK"]), case["gas"] * case["steps"], case["at"]
+    full = StateDictOptions(full_state_dict=True)
+    out = {}
+    for name in ("evaluated", "exported"):
+        model, acco = build(case)
+        inside = None
+        if name == "exported":  # each round starts late: an export right after a launch meets it unfinished
+            install_slow_lane(None, 0.3, schedule=acco.schedule)
+            inside = _slow_estimate(acco, 1.0) if case.get("slow_estimate") else None
+        seen = {}
+
+        def at_micro_batch(i, name=name, model=model, acco=acco, seen=seen, inside=inside):
+            if i not in at:
+                return
+            if inside is not None and str(acco.schedule.round_in_flight) == "RoundKind.ESTIMATE":
+                assert inside.wait(60), "the estimate round never reached its step"
+                inside.clear()  # the master shards are on θ̃ now, for a second
+            if name == "evaluated":
+                seen[f"kind{i}"] = str(acco.schedule.round_in_flight)
+                with ds_acco.committed_weights(acco):
+                    seen[i] = live_snapshot(model)  # fp32, no mixed precision: the masters' values
+                    seen[f"local{i}"] = {n: p.to_local().clone() for n, p in model.acco_test_masters.items()}
+                return
+            if rank == 0:  # rank 0 alone: FSDP's sharded state dict, no collective
+                seen[f"local{i}"] = {n: t.to_local().clone() for n, t in model.state_dict().items()}
+            seen[i] = {n: t.clone() for n, t in get_model_state_dict(model, options=full).items()}
+
+        losses = feed(model, acco, 0, total, at_micro_batch)
+        run = {"losses": losses, "seen": seen, "in_flight": str(acco.schedule.round_in_flight)}
+        if name == "exported":
+            state = get_model_state_dict(model, options=full)  # after the loop, a commit in flight
+            if rank == 0:
+                torch.save(state, os.path.join(out_dir, "fsdp_full.pt"))
+        with ds_acco.committed_weights(acco):
+            run["final"] = live_snapshot(model)
+            with torch.no_grad():
+                run["eval_loss"] = float(model(*batch(0, 999)))
+        run["global_steps"] = acco.global_steps
+        acco.close()
+        out[name] = run
+    return out
+
+
+def reload_tiny_and_evaluate(path: str) -> dict:
+    """In a fresh process: a plain TinyNet with the exported state dict, and its held-out loss."""
+    from fixtures import TinyNet, batch
+    model = TinyNet()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    with torch.no_grad():
+        loss = float(model(*batch(0, 999)))
+    return {"weights": snapshot(model), "eval_loss": loss}

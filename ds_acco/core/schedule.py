@@ -162,6 +162,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         self._inflight: Optional[_InFlight] = None
         self._swapped = False  # live and gathered exchanged: inside committed_weights, or held
         self._held = False  # the exchange is a hold (hold_committed_weights), undone by the next micro-batch
+        self._pinned = 0  # committed_weights() blocks entered while held: no release inside them
         self._closed = False
         self.last_commit_grad_norm: Optional[float] = None  # the newest collected commit's (checkpointed)
         self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
@@ -282,8 +283,12 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     def _swapped_to_committed(self):
         if self.agrees_drains:
             self.drain()  # on every rank, whatever the kind in flight: drains must pair up
-        if self._swapped:  # held: θ is in place, and stays until the next micro-batch
-            yield
+        if self._swapped:  # held: θ is in place; nothing releases it inside the block, the hold resumes after
+            self._pinned += 1
+            try:
+                yield
+            finally:
+                self._pinned -= 1
             return
         inflight = self._inflight
         swap = inflight is not None and inflight.kind is RoundKind.COMMIT
@@ -335,9 +340,9 @@ class AccoSchedule(DrainAgreement, ScheduleState):
 
     def release_committed_weights(self) -> None:
         """Undo :meth:`hold_committed_weights`: the live weights the schedule runs on are back,
-        bit for bit. No-op when nothing is held, inside ``committed_weights()``, and once closed
-        (a closed schedule leaves θ in the model)."""
-        if self._held and not self._closed:
+        bit for bit. No-op when nothing is held, inside a ``committed_weights()`` block (even one
+        entered while held), and once closed (a closed schedule leaves θ in the model)."""
+        if self._held and not self._closed and not self._pinned:
             self._swap_live_and_gathered()
             self._held = False
 

@@ -88,3 +88,45 @@ def test_trainer_exports_are_the_committed_weights(tmp_path):
                             timeout=scaled(60))
     _assert_exports_are_theta(trained, reloaded)
     assert trained[0]["trainer_eval_loss"] == trained[1]["trainer_eval_loss"]
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------------
+FSDP_AT = (3, 4, 6)  # as above: a commit launched, a commit mid-phase, an estimate mid-phase
+FSDP_CASES = {
+    "resident": {"optimizer": "adamw", "acco": {"enabled": True, "mode": "acco"}},
+    "sharded": {"optimizer": "adamw", "sharded": True, "acco": {"enabled": True, "mode": "acco"}},
+    "dpu-sharded": {"optimizer": "adamw", "sharded": True, "acco": {"enabled": True, "mode": "dpu"}},
+    # an optimizer without a functional estimate steps the master shards themselves during the
+    # estimate round (then restores them): the export after micro-batch 5 meets it mid-step
+    "resident-rmsprop": {"optimizer": "rmsprop", "slow_estimate": True, "at": (3, 5),
+                         "acco": {"enabled": True, "mode": "acco"}},
+}
+
+
+@pytest.mark.parametrize("name", list(FSDP_CASES))
+def test_fsdp2_state_dict_is_the_committed_weights(tmp_path, name):
+    """``model.state_dict()`` of an AccoFSDP model (and torch's ``get_model_state_dict`` over it)
+    is the committed θ, mid-loop and after it; training then goes on bit for bit; a fresh process
+    reloading the full state dict gets θ and the in-loop evaluation's loss. Before, the resident
+    layout's state_dict() freed the live weights (the next forward refused), and every layout read
+    the master shards while the commit round in flight was stepping them."""
+    case = {"gas": GAS, "steps": STEPS, "at": FSDP_AT, **FSDP_CASES[name]}
+    at = case["at"]
+    out = run_ranks(export_workers.fsdp_exports, case=case, out_dir=str(tmp_path), timeout=scaled(120))
+    for rank, r in enumerate(out):
+        ev, ex = r["evaluated"], r["exported"]
+        assert ex["in_flight"] == "RoundKind.COMMIT"  # the loop ended with a commit in flight
+        assert ev["losses"] == ex["losses"] and _equal(ev["final"], ex["final"])
+        assert ev["global_steps"] == ex["global_steps"] == STEPS
+        assert ev["eval_loss"] == ex["eval_loss"]
+        for i in at:
+            assert _equal(ev["seen"][i], ex["seen"][i]), f"{name}: get_model_state_dict after micro-batch {i}"
+            if rank == 0:
+                assert _equal(ev["seen"][f"local{i}"], ex["seen"][f"local{i}"]), f"{name}: rank-0 state_dict at {i}"
+    if name == "resident":
+        kinds = [out[0]["evaluated"]["seen"][f"kind{i}"] for i in at]
+        assert kinds == ["RoundKind.COMMIT"] * 2 + ["RoundKind.ESTIMATE"]
+    (reloaded,) = run_ranks(export_workers.reload_tiny_and_evaluate, world=1, path=str(tmp_path / "fsdp_full.pt"),
+                            timeout=scaled(30))
+    assert _equal(out[0]["evaluated"]["final"], reloaded["weights"])
+    assert reloaded["eval_loss"] == out[0]["evaluated"]["eval_loss"]
