@@ -43,8 +43,8 @@ class ExportHooks:
 
     A state-dict pre-hook on each module holds θ in the live weights (see
     :meth:`~ds_acco.core.schedule.AccoSchedule.hold_committed_weights`). While θ is held, a global
-    forward pre-hook waits for the next forward that may be training (training mode, or autograd
-    recording) and puts the live weights back before it runs; the schedule itself does so at the
+    forward pre-hook waits for the next forward of one of the model's modules that may be training
+    (training mode, or autograd recording) and puts the live weights back before it runs; the schedule itself does so at the
     next backward or ``step()``. So an export costs two in-place exchanges and no allocation, and
     training continues on exactly the trajectory it would have had. The tensors a ``state_dict()``
     returns share storage with the model, as in PyTorch: save or copy them before training on.
@@ -57,8 +57,11 @@ class ExportHooks:
     def __init__(self, module: torch.nn.Module, schedule, settle_shards: bool = False):
         self._schedule = weakref.ref(schedule)
         self._settle_shards = settle_shards
+        # Only this model's forwards release θ: not another model's, nor a wrapper's (a DeepSpeed
+        # engine's own `training` flag never changes: its eval() sets only its module's).
+        self._modules = weakref.WeakSet(module.modules())
         hook = _HoldOnStateDict(self)
-        self._handles = [m.register_state_dict_pre_hook(hook) for m in module.modules()]
+        self._handles = [m.register_state_dict_pre_hook(hook) for m in self._modules]
         self._forward: Optional[RemovableHandle] = None  # registered while θ is held
 
     def hold(self, agreed: bool = False) -> None:
@@ -91,8 +94,8 @@ class ExportHooks:
         schedule = self._schedule()
         if schedule is None or not schedule.holds_committed_weights:
             self._unregister_forward()  # released meanwhile (a backward, a step, a close)
-        elif module.training or torch.is_grad_enabled():
-            self.release()  # a forward that may be training: it runs on the live weights
+        elif module in self._modules and (module.training or torch.is_grad_enabled()):
+            self.release()  # a forward of this model that may be training: it runs on the live weights
 
     def _unregister_forward(self) -> None:
         handle, self._forward = self._forward, None

@@ -359,3 +359,98 @@ def reload_tiny_and_evaluate(path: str) -> dict:
     with torch.no_grad():
         loss = float(model(*batch(0, 999)))
     return {"weights": snapshot(model), "eval_loss": loss}
+
+
+# -- a plain DeepSpeed loop: the hold's edges ------------------------------------------------------
+def _engine(acco: dict):
+    from fixtures import TinyNet, ds_config, make_optimizer
+    model = TinyNet(seed=0)
+    engine, *_ = ds_acco.initialize(model=model, optimizer=make_optimizer("adamw")(model),
+                                    config=ds_config(4, {"enabled": True, **acco}))
+    return engine
+
+
+def _feed(engine, start: int, stop: int) -> list:
+    from fixtures import batch
+    rank, losses = int(os.environ["RANK"]), []
+    for i in range(start, stop):
+        loss = engine(*batch(rank, i))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _loss(module) -> float:
+    from fixtures import batch
+    return float(module(*batch(0, 999)))
+
+
+def ds_hold_edges() -> dict:
+    """Fixed mode, after a loop that ends with a commit in flight, on rank 0 alone: an export, an
+    evaluation-mode forward after it (on θ, what was exported), a training forward (back on θ̃),
+    a deep copy of the model (inert hooks: no effect on the engine), and the model after
+    ``destroy()`` (θ, no hooks of ours left). Rank 1 only trains and destroys."""
+    import copy
+    engine = _engine({"mode": "acco"})
+    module, schedule = engine.module, engine.optimizer.schedule
+    _feed(engine, 0, 12)
+    out = {"in_flight": str(schedule.round_in_flight)}
+    if int(os.environ["RANK"]) == 0:
+        estimate = snapshot(module)
+        copied = copy.deepcopy(module)
+        copied.state_dict()  # a copy's export touches nothing of the engine's
+        out["held_after_copies"] = schedule.holds_committed_weights
+        out["copy_is_estimate"] = _equal_dicts(snapshot(copied), estimate)
+        exported = {n: t.clone() for n, t in module.state_dict().items()}
+        out["exported"] = exported
+        module.eval()
+        with torch.no_grad():
+            out["eval_after_export"] = _loss(module)  # an evaluation right after the export: on θ
+        out["eval_weights"] = snapshot(module)
+        module.train()
+        with torch.no_grad():
+            _loss(module)  # training mode: the hold ends before this forward
+        out["train_forward_on_estimate"] = _equal_dicts(snapshot(module), estimate)
+    with ds_acco.committed_weights(engine):
+        out["committed"] = snapshot(module)
+        out["committed_loss"] = _loss(module) if int(os.environ["RANK"]) == 0 else None
+    engine.destroy()
+    out["after_destroy"] = {n: t.clone() for n, t in module.state_dict().items()}
+    out["hooks_after_destroy"] = sum(len(m._state_dict_pre_hooks) for m in module.modules())
+    return out
+
+
+def _equal_dicts(a: dict, b: dict) -> bool:
+    return all(torch.equal(t, b[n]) for n, t in a.items())
+
+
+def ds_dynamic_export(case: dict) -> dict:
+    """Dynamic accumulation, every round a commit (dpu) that starts ``slow`` seconds late: rank 0
+    exports alone right after the loop (its commit round unfinished: refused at once, no wait),
+    then once that round has finished (no collective: the hold takes it), then every rank
+    evaluates inside ``committed_weights`` (the agreed drain)."""
+    engine = _engine(case["acco"])
+    schedule = engine.optimizer.schedule
+    from workers import install_slow_lane
+    install_slow_lane(engine, case["slow"])
+    _feed(engine, 0, case["micro_batches"])
+    out = {"in_flight": str(schedule.round_in_flight)}
+    if int(os.environ["RANK"]) == 0:
+        import time as clock
+        handle = schedule._inflight.handle
+        try:
+            engine.module.state_dict()
+            out["refused"] = None
+        except RuntimeError as exc:
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+        out["unfinished_after_refusal"] = not handle.done()  # the refusal did not wait for the round
+        out["estimate_left_alone"] = not schedule.holds_committed_weights
+        deadline = clock.monotonic() + 120
+        while not handle.done() and clock.monotonic() < deadline:
+            clock.sleep(0.05)
+        out["exported"] = {n: t.clone() for n, t in engine.module.state_dict().items()}
+    with ds_acco.committed_weights(engine):
+        out["committed"] = snapshot(engine.module)
+    engine.destroy()
+    return out
