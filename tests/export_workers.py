@@ -78,8 +78,8 @@ def _train(accelerator, engine, opt, sched, start: int, stop: int, on_micro_batc
     from hf_workers import accelerate_micro_batch
     rank = int(os.environ["RANK"])
     losses = []
+    engine.train()  # once, as an epoch starts: an export in the loop is followed by a forward, nothing else
     for i in range(start, stop):
-        engine.train()
         x = micro_batch(rank, i)
         forward = lambda: engine(input_ids=x, labels=x).loss  # noqa: E731
         losses.append(accelerate_micro_batch(accelerator, engine, opt, sched, forward))
@@ -282,15 +282,19 @@ def trainer_exports(case: dict) -> dict:
 # -- FSDP2 ----------------------------------------------------------------------------------------
 def _slow_estimate(acco, seconds: float):
     """The estimate of an optimizer without a functional step (snapshot, real step on the master
-    shards, read, restore) held ``seconds`` inside, with the shards on θ̃; the event is set then."""
+    shards, read, restore) held ``seconds`` inside, with the shards on θ̃. Returns one event per
+    estimate round, in order (the estimate of step t is the (t+1)-th): set once that round is inside."""
+    import itertools
     import threading
     so = acco.driver.shard_optimizer
-    inner, inside = so.estimate, threading.Event()
+    inner, inside, calls = so.estimate, [threading.Event() for _ in range(64)], itertools.count()
 
     def estimate(grads, read):
+        entered = inside[next(calls)]
+
         def slow_read():
             out = read()
-            inside.set()
+            entered.set()
             time.sleep(seconds)
             return out
         return inner(grads, slow_read)
@@ -323,8 +327,9 @@ def fsdp_exports(case: dict, out_dir: str) -> dict:
             if i not in at:
                 return
             if inside is not None and str(acco.schedule.round_in_flight) == "RoundKind.ESTIMATE":
-                assert inside.wait(60), "the estimate round never reached its step"
-                inside.clear()  # the master shards are on θ̃ now, for a second
+                step = acco.schedule._inflight.step
+                assert inside[step].wait(60), f"the estimate round of step {step} never reached its step"
+                # the master shards are on θ̃ now, for a second
             if name == "evaluated":
                 seen[f"kind{i}"] = str(acco.schedule.round_in_flight)
                 with ds_acco.committed_weights(acco):
@@ -412,6 +417,11 @@ def ds_hold_edges() -> dict:
         with torch.no_grad():
             _loss(module)  # training mode: the hold ends before this forward
         out["train_forward_on_estimate"] = _equal_dicts(snapshot(module), estimate)
+        try:  # AutoTP's consolidation (accelerator.get_state_dict) reads the parameters, not a state_dict()
+            engine._consolidated_16bit_state_dict()
+        except ValueError:  # not AutoTP here: DeepSpeed refuses, after the hold
+            pass
+        out["consolidation_holds"] = _equal_dicts(snapshot(module), out["exported"])
     with ds_acco.committed_weights(engine):
         out["committed"] = snapshot(module)
         out["committed_loss"] = _loss(module) if int(os.environ["RANK"]) == 0 else None

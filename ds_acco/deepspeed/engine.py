@@ -272,6 +272,14 @@ class AccoEngine(DeepSpeedEngine):
         """See :func:`ds_acco.committed_weights`."""
         return self.optimizer.committed_weights()
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """DeepSpeed's, on the committed θ: with AutoTP (``accelerator.get_state_dict`` calls it) it
+        gathers the parameters themselves, not a ``state_dict()``, so the export hook is not asked."""
+        exports = self.__dict__.get("_acco_exports")
+        if exports is not None:
+            exports.hold()
+        return super()._consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def was_step_applied(self) -> bool:
         """DeepSpeed's answer. With a caller that sets the accumulation boundary (Megatron): True
         unless a commit collected during the iteration that the last ``step()`` closed was skipped

@@ -23,6 +23,7 @@ def test_an_export_holds_theta_until_training_goes_on():
     assert _equal(r0["eval_weights"], theta) and r0["eval_after_export"] == r0["committed_loss"]
     # ... a forward in training mode is back on the estimate
     assert r0["train_forward_on_estimate"]
+    assert r0["consolidation_holds"]  # DeepSpeed's AutoTP export path holds θ too
     for r in (r0, r1):  # destroy() leaves θ in the model for good, and no hook behind
         assert _equal(r["after_destroy"], theta) and r["hooks_after_destroy"] == 0
     assert _equal(r1["committed"], theta)
