@@ -349,7 +349,8 @@ def fsdp_exports(case: dict, out_dir: str) -> dict:
         with ds_acco.committed_weights(acco):
             run["final"] = live_snapshot(model)
             with torch.no_grad():
-                run["eval_loss"] = float(model(*batch(0, 999)))
+                device = next(model.parameters()).device
+                run["eval_loss"] = float(model(*(t.to(device) for t in batch(0, 999))))
         run["global_steps"] = acco.global_steps
         acco.close()
         out[name] = run
@@ -379,16 +380,17 @@ def _feed(engine, start: int, stop: int) -> list:
     from fixtures import batch
     rank, losses = int(os.environ["RANK"]), []
     for i in range(start, stop):
-        loss = engine(*batch(rank, i))
+        loss = engine(*(t.to(engine.device) for t in batch(rank, i)))
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
 def _loss(module) -> float:
     from fixtures import batch
-    return float(module(*batch(0, 999)))
+    device = next(module.parameters()).device
+    return float(module(*(t.to(device) for t in batch(0, 999))))
 
 
 def ds_hold_edges() -> dict:
