@@ -42,12 +42,13 @@ class ExportHooks:
     """Every ``state_dict()`` of ``module`` (or of any module inside it) reads the committed θ.
 
     A state-dict pre-hook on each module holds θ in the live weights (see
-    :meth:`~ds_acco.core.schedule.AccoSchedule.hold_committed_weights`). While θ is held, a global
-    forward pre-hook waits for the next forward of one of the model's modules that may be training
-    (training mode, or autograd recording) and puts the live weights back before it runs; the schedule itself does so at the
-    next backward or ``step()``. So an export costs two in-place exchanges and no allocation, and
-    training continues on exactly the trajectory it would have had. The tensors a ``state_dict()``
-    returns share storage with the model, as in PyTorch: save or copy them before training on.
+    :meth:`~ds_acco.core.committed.CommittedWeights.hold_committed_weights`). While θ is held, a
+    global forward pre-hook waits for the next forward of one of the model's modules that may be
+    training (training mode, or autograd recording) and puts the live weights back before it runs;
+    the schedule itself does so at the next backward or ``step()``. So an export costs two in-place
+    exchanges and no allocation, and training continues on exactly the trajectory it would have
+    had; during training no hook runs at all. The tensors a ``state_dict()`` returns share storage
+    with the model, as in PyTorch: save or copy them before training on.
 
     ``settle_shards``: the export reads the optimizer's master shards (FSDP2's sharded
     parameters), which an estimate round may step in place; it is then waited for too.
@@ -104,8 +105,8 @@ class ExportHooks:
 
 
 class _HoldOnStateDict:
-    """The state-dict pre-hook of :class:`ExportHooks` (a class, so that copies of the module
-    get an inert hook instead of failing: see ``__reduce__``)."""
+    """The state-dict pre-hook of :class:`ExportHooks` (a class, so that a copy of the module, by
+    ``copy.deepcopy`` or pickling, gets an inert hook, not one that holds the original's θ)."""
 
     def __init__(self, hooks: ExportHooks):
         self._hooks = weakref.ref(hooks)
