@@ -267,10 +267,11 @@ def init_errors(cases):
     return out
 
 
-def install_slow_lane(engine, seconds):
-    """Every round sleeps ``seconds`` on the lane first (an injected slow network)."""
+def install_slow_lane(engine, seconds, schedule=None):
+    """Every round sleeps ``seconds`` on the lane first (an injected slow network). ``schedule``:
+    an AccoFSDP's (default: the DeepSpeed engine's)."""
     import time
-    lane = engine.optimizer.schedule.lane
+    lane = (schedule or engine.optimizer.schedule).lane
     inner_submit = lane.submit
 
     def submit(name, fn, **kwargs):
