@@ -65,17 +65,55 @@ def table(results: dict, variants=None) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, path: str) -> None:
+    """Against the LR multiplier, per model size (beta2 0.95, the longest horizon): each variant's
+    median gap to stock (left) and the median drift of its estimate (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = [g for g in results["groups"] if g["beta2"] == 0.95]
+    longest = max(g["steps"] for g in groups)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for size, style in (("small", "-"), ("large", "--")):
+        sel = sorted((g for g in groups if g["size"] == size and g["steps"] == longest), key=lambda g: g["lr_mult"])
+        for i, v in enumerate(v for v in VARIANTS if v != "stock"):
+            xs, gaps, lags = [], [], []
+            for g in sel:
+                stock = {r["seed"]: r["tail_mean"] for r in g["runs"] if r["variant"] == "stock"}
+                mine = [r for r in g["runs"] if r["variant"] == v]
+                if not mine:
+                    continue
+                xs.append(g["lr_mult"])
+                gaps.append(statistics.median(100 * (r["tail_mean"] / stock[r["seed"]] - 1) for r in mine))
+                lags.append(statistics.median(r["lag_median"] for r in mine))
+            color = f"C{i}"
+            axes[0].plot(xs, gaps, style, marker="o", color=color, label=f"{v} ({size})")
+            axes[1].plot(xs, lags, style, marker="o", color=color, label=f"{v} ({size})")
+    axes[0].axhline(0, color="k", lw=0.8)
+    axes[0].set(xscale="log", xlabel="learning rate x base", ylabel="held-out gap to stock (%)",
+                title=f"median over paired seeds, {longest} steps")
+    axes[1].set(xscale="log", xlabel="learning rate x base", ylabel="drift |θ̃ − θ| / |θ_{t+1} − θ_t|",
+                title="the estimate's drift (median over steps and seeds)")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--table", action="store_true", help="print the table of an existing results file")
+    ap.add_argument("--plot", default=None, help="with --table: also draw the gap and drift against LR here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     if a.table:
         with open(a.out) as f:
-            print(table(json.load(f)))
+            results = json.load(f)
+        print(table(results))
+        if a.plot:
+            plot(results, a.plot)
         return
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
