@@ -56,6 +56,11 @@ def main(argv=None) -> dict:
         # keeps DeepSpeed (ACCELERATE_USE_CPU / `accelerate launch --cpu` would drop it) and shards the data.
         PartialState(cpu=True)
     accelerator = Accelerator()  # DeepSpeed plugin, batch and accumulation from the launch's config file
+    if accelerator.state.deepspeed_plugin is None:
+        raise SystemExit("accelerate_loop.py: Accelerate did not select DeepSpeed (launched with --cpu, "
+                         "ACCELERATE_USE_CPU=true, or without a DeepSpeed config file), so neither DeepSpeed nor "
+                         "ACCO would train; fix: accelerate launch --config_file examples/accelerate_config.yaml "
+                         "-m ds_acco run examples/accelerate_loop.py, without --cpu")
     torch.manual_seed(0)
 
     train_rows, heldout_rows = build_splits(seq_len=args.seq_len)

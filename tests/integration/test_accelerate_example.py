@@ -79,7 +79,10 @@ def test_readme_accelerate_command_trains_acco_and_the_unrouted_launch_is_refuse
     cmd, out, rc = accelerate_launch(argv, env)
     assert rc == 0, f"{cmd} exited with {rc}\n{tail(out)}"
     assert out.count(BANNER) == 1, f"expected rank 0's ACCO banner once\n{tail(out)}"
-    (result,) = results(out)
+    found = results(out)
+    assert len(found) == 1, f"expected one result line (rank 0's), got {len(found)}: every rank believed it was " \
+        f"the main process (Accelerate saw one process per rank: data not sharded)\n{tail(out)}"
+    result = found[0]
     assert (result["engine"], result["optimizer"]) == ("AccoEngine", "AccoZeroOptimizer"), result
     assert result["world_size"] == 2, result  # Accelerate saw both processes: the data was sharded
     assert result["gradient_accumulation_steps"] == 4 and result["global_steps"] == 6, result
