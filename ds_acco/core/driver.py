@@ -94,11 +94,6 @@ def _check_estimate_variant(config, shard_optimizer: ShardOptimizer) -> None:
     """The estimate variants that read Adam's second moment need an optimizer that has one and a
     functional step (torch Adam / AdamW): refuse any other, naming the key and the fix."""
     est = config.estimate
-    # TODO(helper): delay compensation and the synchronous warm-up are being built; until then refused
-    for key, value in (("estimate.delay_compensation", est.delay_compensation),
-                       ("sync_warmup_steps", config.sync_warmup_steps)):
-        if value:
-            raise ValueError(f"acco.{key} = {value!r} is not available in this build; fix: remove the key")
     needs = [f"second_moment = {est.second_moment!r}"] if est.second_moment == "committed" else []
     if est.delay_compensation:
         needs.append(f"delay_compensation = {est.delay_compensation!r}")
