@@ -41,7 +41,7 @@ CASES = [
      "ref": {"delay_compensation": LAM, "skip_estimate": (1,), "skip_commit": (1, 2)},
      "paper": {"skip_estimate": (1,), "skip_commit": (1, 2)}, "nan_at": [(1, 4)], "inf_grad_at": [(0, 11)]},
     {"name": "warmup-adamw", "warmup": K, "ref": {"sync_warmup_steps": K}, "optimizer": "adamw",
-     "probe_at": (3, 7, 9)},
+     "probe_at": (3, 7, 9), "metrics": {"estimate_drift": True}},
     {"name": "warmup-sgd-lr1.5", "estimate": {"lr_scale": 1.5}, "warmup": 1,
      "ref": {"sync_warmup_steps": 1, "lr_scale": 1.5}, "optimizer": "sgd"},
     {"name": "warmup-dc-adamw-lr2", "estimate": {"delay_compensation": LAM, "lr_scale": 2.0}, "warmup": K,
@@ -61,6 +61,8 @@ def _case(c):
         acco["estimate"] = c["estimate"]
     if c.get("warmup"):
         acco["sync_warmup_steps"] = c["warmup"]
+    if c.get("metrics"):
+        acco["metrics"] = c["metrics"]
     out = {"optimizer": c["optimizer"], "schedule": "inv", "steps": c.get("steps", STEPS), "gas": GAS,
            "acco": None if "acco" in c else acco, "clip": c.get("clip", 0.0)}
     out.update({k: c[k] for k in ("nan_at", "inf_grad_at", "probe_at") if k in c})
@@ -125,6 +127,11 @@ def test_sync_warmup_is_stock_zero1s_schedule(runs):
             assert rel_distance(theta, stock["probes"][i][1]) < 1e-6, (name, i)
     steps, theta = runs["warmup-adamw"][0]["probes"][9]  # ACCO's bootstrap from θ_K: nothing committed since
     assert steps == K and rel_distance(theta, stock["probes"][7][1]) < 1e-6
+    # no estimate, no estimate drift for the warm-up's steps (nor one for its last commit, read with step K+1)
+    records = runs["warmup-adamw"][0]["metrics"]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [("estimate_micro_batches_global" in r, "prev_step_estimate_drift" in r) for r in records] == \
+        [(False, False)] * K + [(True, False)] + [(True, True)] * (STEPS - K - 1)
     got, want = runs["warmup-all"][0]["final"], stock["final"]
     err, apart = rel_distance(got, want), rel_distance(paper["final"], want)
     print(f"warm-up over all {STEPS} steps vs the stock engine: {err:.1e}; ACCO's (paper) θ_T is {apart:.1e} away")
