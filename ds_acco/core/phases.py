@@ -15,6 +15,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 class PhaseKind(str, enum.Enum):
     BOOTSTRAP = "bootstrap"  # first phase: nothing in flight yet
+    SYNC = "sync"  # a step of the synchronous warm-up (acco.sync_warmup_steps): A micro-batches at θ_t,
+    # then one commit round waited for at once; nothing is in flight between two phases
     ESTIMATE = "estimate"  # an estimate round is in flight; the model is at θ_t
     COMMIT = "commit"  # a commit round is in flight; the model is at θ̃_{t+1} (acco) or θ_{k-1} (dpu)
 
