@@ -7,8 +7,9 @@
 # and range (python -m ds_acco.bench.finetune summarize).
 #   scripts/finetune_fidelity.sh [OUT_DIR]          (default bench_results/finetune)
 #   env: SEEDS="0 1 2 3 4"
-#        VARIANTS='{"stock": null, "acco": {"enabled": true}}'   name -> acco block (JSON; null: stock);
-#                 run in this order for each seed; the first is the baseline of the table
+#        VARIANTS='{"stock": null, "paper": {"enabled": true, "estimate": "paper"}, ...}'   name -> acco block
+#                 (JSON; null: stock), run in this order for each seed; the first is the table's baseline.
+#                 Default: stock, the paper's estimate, the look-ahead estimate with lr_scale 1.5 and 2.
 #        ARGS=""        more arguments for every run (Trainer or task arguments, e.g. "--learning_rate 1e-3")
 #        TIMEOUT=1200   seconds per run before it is killed
 # A run whose record exists is skipped, so an interrupted sweep resumes; the summary refuses records made
@@ -17,7 +18,9 @@ set -euo pipefail
 OUT="${1:-bench_results/finetune}"
 PY=${PYTHON:-python}
 SEEDS=${SEEDS:-"0 1 2 3 4"}
-VARIANTS=${VARIANTS:-'{"stock": null, "acco": {"enabled": true}}'}
+VARIANTS=${VARIANTS:-'{"stock": null, "paper": {"enabled": true, "estimate": "paper"},
+  "lookahead1.5": {"enabled": true, "estimate": {"lr_scale": 1.5}},
+  "lookahead2": {"enabled": true, "estimate": {"lr_scale": 2.0}}}'}
 ARGS=${ARGS:-}
 TIMEOUT=${TIMEOUT:-1200}
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1

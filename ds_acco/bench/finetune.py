@@ -324,6 +324,24 @@ def digest(values: Iterable) -> str:
     return h.hexdigest()[:16]
 
 
+def estimate_lag(engine) -> List[dict]:
+    """Per committed step of an ACCO engine (``engine.acco_metrics_history``), ``step`` k: how well
+    θ̃_k estimated θ_k, the drift ‖θ̃_k − θ_k‖ / ‖θ_k − θ_{k-1}‖ and the cosine between the estimate's
+    update θ̃_k − θ_{k-1} and the commit's θ_k − θ_{k-1}. Empty for stock (and for steps the bounded
+    history no longer holds)."""
+    out = []
+    for rec in getattr(engine, "acco_metrics_history", None) or ():
+        if "prev_step_estimate_drift" in rec:  # measured by the commit of the step before rec's
+            out.append({"step": rec["step"] - 1, "drift": rec["prev_step_estimate_drift"],
+                        "cos": rec.get("prev_step_estimate_cos")})
+    return out
+
+
+def _median_of(rows: Sequence[Mapping], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if r.get(key) is not None and math.isfinite(r[key])]
+    return statistics.median(values) if values else None
+
+
 def heldout_metrics(model, ids, labels, batch_size: int = 128) -> Tuple[float, float]:
     """``(mean cross-entropy, accuracy)`` of ``model`` over all rows, summed in float64."""
     import torch
@@ -487,6 +505,7 @@ def train(argv: Sequence[str]) -> dict:
     with ds_acco.committed_weights(engine):
         heldout_loss, heldout_accuracy = heldout_metrics(trainer.model, heldout_ids, heldout_labels)
     history = trainer.state.log_history
+    lag = estimate_lag(engine)
     record = {
         "version": RECORD_VERSION, "variant": variant, "seed": targs.seed, "acco": block,
         "deepspeed_config": os.path.abspath(targs.deepspeed),
@@ -506,6 +525,7 @@ def train(argv: Sequence[str]) -> dict:
         "loss_kwargs": args.loss_kwargs, "model_accepts_loss_kwargs": trainer.model_accepts_loss_kwargs,
         "trainer_eval_loss_ratio": trainer_eval["eval_loss"] / heldout_loss,
         "epoch_micro_batches": epoch, "partial_steps": partial,
+        "lag": lag, "drift_median": _median_of(lag, "drift"), "cos_median": _median_of(lag, "cos"),
         "n_train": int(train_ids.shape[0]), "n_heldout": int(heldout_ids.shape[0]),
         "class_counts": torch.bincount(train_labels, minlength=len(TOPICS)).tolist(),
         "data_hash": data_hash, "pretrained_hash": pretrain_info["weights_hash"],
@@ -632,8 +652,26 @@ def format_table(table: Mapping) -> str:
     return "\n".join(lines)
 
 
-def _fmt(x):
-    return "—" if x is None else f"{x:.4f}"
+def lag_table(records: Sequence[Mapping]) -> dict:
+    """Per variant with lag metrics: the median over its seeds of each run's median drift and cosine."""
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in records):
+        runs = [r for r in records if r["variant"] == variant and r.get("drift_median") is not None]
+        if runs:
+            out[variant] = {"drift": statistics.median(r["drift_median"] for r in runs),
+                            "cos": _median_of(runs, "cos_median"), "n": len(runs)}
+    return out
+
+
+def format_lag(lag: Mapping) -> str:
+    """Markdown of :func:`lag_table`."""
+    lines = ["| variant | drift | cos | seeds |", "|---|---|---|---|"]
+    lines += [f"| {v} | {t['drift']:.3f} | {_fmt(t['cos'], 3)} | {t['n']} |" for v, t in lag.items()]
+    return "\n".join(lines)
+
+
+def _fmt(x, digits: int = 4):
+    return "—" if x is None else f"{x:.{digits}f}"
 
 
 def _pct(x):
@@ -663,13 +701,17 @@ def summarize(argv: Sequence[str]) -> dict:
     records = load_records(a.records)
     loss = gap_table(records, a.baseline, "heldout_loss")
     acc = gap_table(records, a.baseline, "heldout_accuracy")
+    lag = lag_table(records)
     text = (f"Held-out loss on committed weights at the end, gap vs {a.baseline} (positive: worse)\n\n"
-            f"{format_table(loss)}\n\nHeld-out accuracy, relative change vs {a.baseline}\n\n{format_table(acc)}\n")
+            f"{format_table(loss)}\n\nHeld-out accuracy, relative change vs {a.baseline}\n\n{format_table(acc)}\n\n"
+            "Estimate lag per variant: median over seeds of each run's median per-step drift "
+            "‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖ and cosine (estimate's update vs the commit's)\n\n"
+            f"{format_lag(lag)}\n")
     print(text)
     if a.out:
         with open(a.out + ".md", "w") as f:
             f.write(text)
-        _write_json(a.out + ".json", {"heldout_loss": loss, "heldout_accuracy": acc})
+        _write_json(a.out + ".json", {"heldout_loss": loss, "heldout_accuracy": acc, "lag": lag})
     return loss
 
 

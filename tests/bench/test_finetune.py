@@ -110,14 +110,17 @@ def test_driver_runs_stock_and_acco_and_writes_the_table(tmp_path):
     tiny = ("--max_steps 2 --eval_steps 1 --pretrain_steps 2 --passage_words 8 --vocab_size 200 "
             "--passages_per_topic 40 --heldout_per_topic 8 --hidden_size 32 --intermediate_size 64 "
             "--num_attention_heads 2 --num_hidden_layers 1")
-    env = base_env(SEEDS="0", ARGS=tiny, PYTHON=sys.executable, TIMEOUT=str(int(scaled(100))))
+    variants = '{"stock": null, "acco": {"enabled": true, "estimate": {"lr_scale": 2.0}}}'
+    env = base_env(SEEDS="0", ARGS=tiny, VARIANTS=variants, PYTHON=sys.executable, TIMEOUT=str(int(scaled(100))))
     proc = start(["bash", str(REPO / "scripts" / "finetune_fidelity.sh"), str(out)], env)
     text, timed_out = communicate(proc, scaled(240))
     assert not timed_out and proc.returncode == 0, f"rc={proc.returncode}\n{tail(text)}"
     assert "FAILED" not in text, tail(text)
     stock, acco = (json.loads((out / "records" / f"{v}-s0.json").read_text()) for v in ("stock", "acco"))
     assert (stock["engine"], acco["engine"]) == ("DeepSpeedEngine", "AccoEngine")
-    assert acco["acco"] == {"enabled": True} and stock["acco"] is None
+    assert acco["acco"] == {"enabled": True, "estimate": {"lr_scale": 2.0}} and stock["acco"] is None
+    assert stock["lag"] == [] and [p["step"] for p in acco["lag"]] == [1]  # step 2's commit measured step 1's
+    assert acco["drift_median"] > 0 and -1 <= acco["cos_median"] <= 1
     for r in (stock, acco):
         assert (r["variant"], r["seed"], r["world_size"], r["gradient_accumulation_steps"]) == (r["variant"], 0, 2, 4)
         assert r["hf_global_step"] == r["engine_global_steps"] == 2  # ACCO committed every step the Trainer took
