@@ -652,6 +652,35 @@ def format_table(table: Mapping) -> str:
     return "\n".join(lines)
 
 
+def curve_table(records: Sequence[Mapping], baseline: str = "stock") -> dict:
+    """Per variant, per evaluation step of the run (the Trainer's periodic evaluations, on committed
+    weights): the median over the paired seeds of the held-out loss gap against the baseline. The
+    Trainer's loss may be scaled (see ``loss_kwargs``), but by the same factor in both runs of a pair."""
+    by = {(r["variant"], r["seed"]): {p["step"]: p["loss"] for p in r["eval_curve"]} for r in records}
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in records):
+        if variant == baseline:
+            continue
+        gaps = {}
+        for (v, seed), curve in by.items():
+            base = by.get((baseline, seed))
+            if v == variant and base is not None:
+                for step, loss in curve.items():
+                    if step in base:
+                        gaps.setdefault(step, []).append(gap_pct(loss, base[step]))
+        out[variant] = {step: statistics.median(g) for step, g in sorted(gaps.items())}
+    return out
+
+
+def format_curve(curve: Mapping) -> str:
+    """Markdown of :func:`curve_table`: one row per evaluation step."""
+    variants = list(curve)
+    steps = sorted({s for v in variants for s in curve[v]})
+    lines = ["| step | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    lines += [f"| {s} | " + " | ".join(_pct(curve[v].get(s)) for v in variants) + " |" for s in steps]
+    return "\n".join(lines)
+
+
 def lag_table(records: Sequence[Mapping]) -> dict:
     """Per variant with lag metrics: the median over its seeds of each run's median drift and cosine."""
     out = {}
@@ -691,27 +720,35 @@ def load_records(paths: Sequence[str]) -> List[dict]:
 
 
 def summarize(argv: Sequence[str]) -> dict:
-    """``summarize RECORDS... [--baseline stock] [--out STEM]``: print the loss and accuracy tables;
-    with ``--out``, write ``STEM.md`` and ``STEM.json``."""
+    """``summarize RECORDS... [--baseline stock] [--order a,b] [--out STEM]``: print the tables (loss gap
+    at the end, accuracy, the gap along the run, the estimate's lag); with ``--out``, also write
+    ``STEM.md`` and ``STEM.json``."""
     p = argparse.ArgumentParser(prog="python -m ds_acco.bench.finetune summarize")
     p.add_argument("records", nargs="+")
     p.add_argument("--baseline", default="stock")
+    p.add_argument("--order", default=None, help="comma-separated variant names: the tables' column order")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     a = p.parse_args(argv)
     records = load_records(a.records)
+    if a.order:
+        rank = {v: i for i, v in enumerate(a.order.split(","))}
+        records.sort(key=lambda r: (rank.get(r["variant"], len(rank)), r["variant"], r["seed"]))
     loss = gap_table(records, a.baseline, "heldout_loss")
     acc = gap_table(records, a.baseline, "heldout_accuracy")
+    curve = curve_table(records, a.baseline)
     lag = lag_table(records)
     text = (f"Held-out loss on committed weights at the end, gap vs {a.baseline} (positive: worse)\n\n"
             f"{format_table(loss)}\n\nHeld-out accuracy, relative change vs {a.baseline}\n\n{format_table(acc)}\n\n"
+            f"Held-out loss along the run (the Trainer's evaluations), median gap vs {a.baseline} over the seeds\n\n"
+            f"{format_curve(curve)}\n\n"
             "Estimate lag per variant: median over seeds of each run's median per-step drift "
-            "‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖ and cosine (estimate's update vs the commit's)\n\n"
+            "‖θ̃_k − θ_k‖ / ‖θ_k − θ_{k-1}‖ and cosine (the estimate's update vs the commit's)\n\n"
             f"{format_lag(lag)}\n")
     print(text)
     if a.out:
         with open(a.out + ".md", "w") as f:
             f.write(text)
-        _write_json(a.out + ".json", {"heldout_loss": loss, "heldout_accuracy": acc, "lag": lag})
+        _write_json(a.out + ".json", {"heldout_loss": loss, "heldout_accuracy": acc, "curve": curve, "lag": lag})
     return loss
 
 

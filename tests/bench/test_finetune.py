@@ -80,6 +80,28 @@ def test_records_that_cannot_be_compared_are_refused(bad, why):
         ft.gap_table(bad, "stock")
 
 
+def test_curve_gives_the_median_gap_per_evaluation_step():
+    def run(variant, seed, losses):
+        return record(variant, seed, losses[-1], eval_curve=[{"step": 10 * (i + 1), "loss": v} for i, v in enumerate(losses)])
+    records = [run("stock", 0, [2.0, 1.0]), run("stock", 1, [2.0, 1.0]), run("stock", 2, [4.0, 1.0]),
+               run("acco", 0, [2.02, 1.0]), run("acco", 1, [2.04, 0.99]), run("acco", 2, [4.0, 1.05])]
+    curve = ft.curve_table(records, "stock")["acco"]
+    assert list(curve) == [10, 20]
+    assert curve[10] == pytest.approx(1.0, abs=1e-9)  # gaps 1, 2, 0 %
+    assert curve[20] == pytest.approx(0.0, abs=1e-9)  # gaps 0, -1, +5 %
+
+
+def test_lag_reads_each_commits_report_of_the_step_before():
+    history = [{"step": 1}, {"step": 2, "prev_step_estimate_drift": 0.3, "prev_step_estimate_cos": 0.9},
+               {"step": 3, "prev_step_estimate_drift": 0.5, "prev_step_estimate_cos": 0.7}]
+    lag = ft.estimate_lag(SimpleNamespace(acco_metrics_history=history))
+    assert lag == [{"step": 1, "drift": 0.3, "cos": 0.9}, {"step": 2, "drift": 0.5, "cos": 0.7}]
+    assert ft.estimate_lag(SimpleNamespace()) == []  # a stock engine has no history
+    runs = [record("acco", s, 1.0, drift_median=d, cos_median=c) for s, (d, c) in enumerate([(0.2, 0.9), (0.4, 0.5),
+                                                                                             (0.3, 0.8)])]
+    assert ft.lag_table(runs) == {"acco": {"drift": 0.3, "cos": 0.8, "n": 3}}
+
+
 # -- the task -------------------------------------------------------------------------------------
 def test_task_split_is_balanced_disjoint_and_whole_steps_per_epoch():
     args = ft.FinetuneArguments()
