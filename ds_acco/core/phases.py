@@ -122,19 +122,30 @@ def _largest_remainder(total: int, speeds: Sequence[float], minimum: int) -> Tup
 class SharedPhases:
     """All ranks together run fixed mode's ``micro_batches`` × ranks per phase, shared by measured
     speed: this rank's phase ends after ``shares[rank]`` micro-batches (:func:`share_by_speed`).
-    A value: the schedule replaces it with :meth:`reshare`'s at each phase end."""
+    A value: the schedule replaces it with :meth:`reshare`'s at each phase end.
+
+    ``aligned``: every phase so far had equal shares, so every rank ended each of them at the same
+    micro-batch count, as in fixed mode. The schedule then runs exactly fixed mode (drains need no
+    agreement protocol, see drains.py). Once one phase had unequal shares the ranks' phase ends
+    fall at different micro-batch counts for good (equal shares later keep the offset), so it
+    stays False. Every rank computes the shares from the same table: so is ``aligned``."""
     micro_batches: int  # fixed mode's phase length per rank (the equal share)
     band: float = SHARE_BAND
     rank: int = 0
     shares: Tuple[int, ...] = ()  # this phase's share of every rank; () before :meth:`for_rank`
+    aligned: bool = True
 
-    def for_rank(self, rank: int, world: int, shares: Optional[Sequence[int]] = None) -> "SharedPhases":
-        """This policy for ``rank`` of ``world``, at ``shares`` (default: equal, fixed mode's)."""
+    def for_rank(self, rank: int, world: int, shares: Optional[Sequence[int]] = None,
+                 aligned: Optional[bool] = None) -> "SharedPhases":
+        """This policy for ``rank`` of ``world``, at ``shares`` (default: equal, fixed mode's);
+        ``aligned``: whether every phase so far had equal shares (default: this policy's; unequal
+        ``shares`` are never aligned)."""
         shares = tuple(int(n) for n in shares) if shares is not None else (self.micro_batches,) * world
         if len(shares) != world or sum(shares) != self.micro_batches * world or min(shares) < 1:
             raise ValueError(f"shares {shares} do not share {self.micro_batches * world} micro-batches among "
                              f"{world} ranks")
-        return dataclasses.replace(self, rank=rank, shares=shares)
+        new = dataclasses.replace(self, rank=rank, shares=shares)
+        return dataclasses.replace(new, aligned=(self.aligned if aligned is None else bool(aligned)) and new.equal)
 
     @property
     def share(self) -> int:
@@ -144,11 +155,19 @@ class SharedPhases:
         """Why the phase ends after its ``n``-th micro-batch, or None if it goes on."""
         return "shared" if n >= self.share else None
 
+    @property
+    def equal(self) -> bool:
+        """Whether this phase's shares are fixed mode's (every rank ``micro_batches``)."""
+        return all(n == self.micro_batches for n in self.shares)
+
     def reshare(self, seconds_per_micro_batch: Sequence[float]) -> "SharedPhases":
         """The next phase's policy, from every rank's measured seconds per micro-batch."""
         shares = share_by_speed(self.micro_batches * len(self.shares), seconds_per_micro_batch,
                                 current=self.shares, band=self.band)
-        return self if shares == self.shares else dataclasses.replace(self, shares=shares)
+        if shares == self.shares:
+            return self
+        new = dataclasses.replace(self, shares=shares)
+        return dataclasses.replace(new, aligned=self.aligned and new.equal)
 
 
 @dataclass

@@ -16,7 +16,10 @@ Accumulation 'shared' (:class:`.phases.SharedPhases`): each rank measures its co
 micro-batch over a phase (wall time minus the time it was blocked on rounds and drains) and sends
 it with the round it launches at that phase's end. At its n-th phase end every rank collects the
 same round n-1, so every rank computes the next phase's shares from the same table: the shares
-agree with no collective of their own. (The bootstrap phase, a warm-up, is not measured.)
+agree with no collective of their own. (The bootstrap phase, a warm-up, is not measured.) While
+every phase has had equal shares (``SharedPhases.aligned``) the schedule is fixed mode, per
+micro-batch, per round and per drain: the speeds ride in the counts table every round sends
+anyway, and the only extra work is the share rule at each phase end (a few floats).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from ..comm.lane import CommLane
 from . import chunking
 from .buffers import BufferGroup
 from .drains import DrainAgreement
-from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases, Tally
+from .phases import PhaseKind, PhaseRecord, SharedPhases, Tally
 from .report import RoundReport
 from .rounds import RoundContext, RoundKind, RoundResult, run_round
 from .schedule_state import ScheduleState, _InFlight
@@ -122,7 +125,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
             chunk_elems=options.chunk_elems, lr_power=options.lr_power,
             nominal_phase_micro_batches=options.nominal_phase * world,
             commit_phases=2 if options.mode == "acco" else 1,
-            read_counts_first=not isinstance(options.phases, FixedPhases))
+            read_counts_first=self.agrees_drains)  # set again at each launch (_launch)
         # The rounds' window: the user's, or chosen for the device and the shard (chunking.py).
         device = self.groups[0].comm.device
         self.context.chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in self.groups),
@@ -350,6 +353,10 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         step = self.step_index
         report = self._report() if exchanged is None else None
         ctx = self.context
+        # Only where drains run the agreement protocol can a peer fill this round's slot with a drain
+        # abort (drains.py); shared phases leave fixed mode's path at a phase end. The lane is idle
+        # here (the previous round was collected), so no round reads the field while it changes.
+        ctx.read_counts_first = self.agrees_drains
         if self.before_launch is not None:
             self.before_launch()
         # The round's step uses the settings of now: a scheduler stepped meanwhile on this thread

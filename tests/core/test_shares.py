@@ -137,3 +137,28 @@ def test_the_policy_ends_a_phase_at_this_ranks_share():
     assert slow.reshare((0.01, NAN)) is slow
     with pytest.raises(ValueError, match="do not share 4 micro-batches"):
         p.for_rank(0, 2, (3, 2))
+
+
+def test_aligned_holds_while_every_phase_had_equal_shares_and_never_comes_back():
+    """``aligned`` (the schedule then runs fixed mode's drains, drains.py): equal shares through any
+    number of reshares keep it; the first unequal shares drop it; equal shares later do not restore
+    it (the ranks' phase ends stay apart by what the unequal phases gave them)."""
+    p = SharedPhases(4).for_rank(0, 2)
+    assert p.aligned and p.equal
+    for seconds in ((0.05, 0.052), (NAN, NAN), (0.05, NAN), (0.051, 0.05)):  # noise, unknown rates
+        p = p.reshare(seconds)
+        assert p.shares == (4, 4) and p.aligned, seconds
+    slow = p.reshare((0.01, 0.03))
+    assert slow.shares == (6, 2) and not slow.aligned and not slow.equal
+    back = slow.reshare((0.01, 0.01))
+    assert back.shares == (4, 4) and back.equal and not back.aligned
+    assert not back.reshare((0.01, 0.01)).aligned
+
+
+def test_for_rank_restores_aligned_and_never_with_unequal_shares():
+    p = SharedPhases(2)
+    assert p.for_rank(1, 2).aligned
+    assert not p.for_rank(1, 2, aligned=False).aligned
+    assert p.for_rank(1, 2, (2, 2), aligned=True).aligned
+    assert not p.for_rank(1, 2, (3, 1), aligned=True).aligned  # an inconsistent saved flag cannot hold
+    assert not p.for_rank(0, 2, aligned=False).for_rank(0, 2).aligned  # kept unless given
