@@ -15,8 +15,10 @@ the in-flight state of checkpoints: :mod:`.schedule_state`.
 Accumulation 'shared' (:class:`.phases.SharedPhases`): each rank measures its compute seconds per
 micro-batch over a phase (wall time minus the time it was blocked on rounds and drains) and sends
 it with the round it launches at that phase's end. At its n-th phase end every rank collects the
-same round n-1, so every rank computes the next phase's shares from the same table: the shares
-agree with no collective of their own. (The bootstrap phase, a warm-up, is not measured.) While
+same round n-1, so every rank computes the next phase's shares from the same table (and the same
+tables before it: each rank's median over the last few measured phases, :func:`.phases.typical_rates`,
+so that one slow phase does not move them): the shares agree with no collective of their own.
+(The bootstrap phase, a warm-up, is not measured.) While
 every phase has had equal shares (``SharedPhases.aligned``) the schedule is fixed mode, per
 micro-batch, per round and per drain: the speeds ride in the counts table every round sends
 anyway, and the only extra work is the share rule at each phase end (a few floats).

@@ -50,6 +50,8 @@ class ScheduleState:
             "last_commit_grad_norm": self.last_commit_grad_norm,
             "shares": list(self.phases.shares) if isinstance(self.phases, SharedPhases) else None,
             "shares_aligned": self.phases.aligned if isinstance(self.phases, SharedPhases) else None,
+            "share_rates": ([list(v) for v in self.phases.measured] if isinstance(self.phases, SharedPhases)
+                            else None),
             "groups": [g.export_state(self._swapped) for g in self.groups],
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
@@ -89,7 +91,8 @@ class ScheduleState:
             # Saved before 'shares_aligned' existed: its shares may have differed earlier, which
             # leaves the ranks' phase ends apart, so drains keep the agreement protocol.
             self.phases = self.phases.for_rank(self.rank, self.world, state["shares"],
-                                               aligned=state.get("shares_aligned") or False)
+                                               aligned=state.get("shares_aligned") or False,
+                                               measured=state.get("share_rates") or ())
         self._phase_clock = None  # the phase in progress began before the save: not measured
         if info is None:
             self._inflight = None
