@@ -50,6 +50,29 @@ class MetricsConfig(BaseModel):
                           "wandb blocks).")
 
 
+class EstimateConfig(BaseModel):
+    """How the estimate round computes θ̃_{t+1} (docs/estimate.md gives each as its recurrence). The
+    paper's estimate is ``"estimate": "paper"`` (lr_scale 1, second_moment 'update', no delay
+    compensation)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    lr_scale: float = Field(
+        1.0, gt=0, le=8, description="The estimate's optimizer step uses the learning rate times this (its "
+        "weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is computed "
+        "further along the update (a look-ahead).")
+    second_moment: Literal["update", "committed"] = Field(
+        "update", description="Adam's second moment in the estimate: 'update' it with the half-batch gradient "
+        "(the paper), or reuse the 'committed' one (bias-corrected for the committed steps).")
+    delay_compensation: float = Field(
+        0.0, ge=0, description="λ of DC-ASGD-a in the commit: the first-half mean gradient becomes "
+        "g̃ + λ g̃ ⊙ g̃ ⊙ (θ_t − θ̃_t) / (√v̂_t + ε) (Adam only; one extra fp32 shard per rank). 0: off.")
+
+    @classmethod
+    def paper(cls) -> "EstimateConfig":
+        return cls(lr_scale=1.0, second_moment="update", delay_compensation=0.0)
+
+
 class AccoConfig(BaseModel):
     """Settings of the ``"acco"`` block (see the README's config reference)."""
 
@@ -88,6 +111,25 @@ class AccoConfig(BaseModel):
         "(not below 64K); on accelerators at least 64M elements, or the whole shard when its workspace fits in "
         "1/16 of the free device memory. An integer >= 1024 overrides it.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
+    estimate: EstimateConfig = Field(default_factory=EstimateConfig, description="How the estimate round "
+                                     "computes θ̃ (mode 'acco'); \"paper\" for the paper's estimate.")
+    sync_warmup_steps: int = Field(
+        0, ge=0, description="The first N optimizer steps run stock's synchronous schedule (one round per "
+        "step, waited for at once; ACCO's buffers), then ACCO starts from there (fixed accumulation).")
+
+    @field_validator("estimate", mode="before")
+    @classmethod
+    def _estimate(cls, v: Any) -> Any:
+        if v == "paper" and isinstance(v, str):
+            return EstimateConfig.paper()
+        if isinstance(v, str):
+            raise ValueError("must be \"paper\" or an object such as {\"lr_scale\": 2.0}")
+        if isinstance(v, Mapping) and isinstance(v.get("lr_scale"), int) and not isinstance(v["lr_scale"], bool):
+            return {**v, "lr_scale": float(v["lr_scale"])}  # JSON writers emit 2 for 2.0
+        if isinstance(v, Mapping) and isinstance(v.get("delay_compensation"), int) \
+                and not isinstance(v["delay_compensation"], bool):
+            return {**v, "delay_compensation": float(v["delay_compensation"])}
+        return v
 
     @field_validator("chunk_elements", mode="before")
     @classmethod
@@ -129,6 +171,14 @@ class AccoConfig(BaseModel):
         if cfg.sigterm_checkpoint_dir and cfg.sigterm != "checkpoint":
             raise ValueError(f"acco.sigterm_checkpoint_dir = {cfg.sigterm_checkpoint_dir!r} has no effect with "
                              f"acco.sigterm = {cfg.sigterm!r}; fix: set \"sigterm\": \"checkpoint\" or remove it")
+        if cfg.mode == "dpu" and ("estimate" in block or cfg.sync_warmup_steps):
+            key = "estimate" if "estimate" in block else "sync_warmup_steps"
+            raise ValueError(f"acco.{key} = {block.get(key)!r} has no effect with acco.mode = 'dpu' (DPU has no "
+                             f"estimate round); fix: remove acco.{key} or use \"mode\": \"acco\"")
+        if cfg.sync_warmup_steps and cfg.accumulation != "fixed":
+            raise ValueError(f"acco.sync_warmup_steps = {cfg.sync_warmup_steps} with acco.accumulation = "
+                             f"{cfg.accumulation!r}: the synchronous warm-up runs stock's fixed schedule; fix: use "
+                             "\"accumulation\": \"fixed\" or remove sync_warmup_steps")
         d = cfg.dynamic
         if d is not None and d.max_micro_batches is not None and d.max_micro_batches < d.min_micro_batches:
             raise ValueError(f"acco.dynamic.max_micro_batches = {d.max_micro_batches} is below "

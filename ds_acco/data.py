@@ -42,6 +42,10 @@ def _from_stdlib(obj) -> bool:
     return not isinstance(module, str) or module.partition(".")[0] in sys.stdlib_module_names
 
 
+def _documentable(obj) -> bool:
+    return (inspect.isclass(obj) or inspect.isroutine(obj)) and _from_stdlib(obj)
+
+
 def _documented(module) -> List[Tuple[str, object]]:
     """``(qualified name, object)`` for a module, its public classes and functions, and the
     public methods of those classes, in sorted order."""
@@ -50,7 +54,12 @@ def _documented(module) -> List[Tuple[str, object]]:
     out = [(name, module)]
     for attr in sorted(public):
         obj = getattr(module, attr, None)
-        if not (inspect.isclass(obj) or inspect.isroutine(obj)) or not _from_stdlib(obj):
+        if not _documentable(obj):
+            # replaced at run time (pytest sets threading.excepthook to a functools.partial): the
+            # module's saved original (threading.__excepthook__), so the text does not depend on
+            # what else the process imported
+            obj = getattr(module, f"__{attr}__", obj)
+        if not _documentable(obj):
             continue  # constants and submodules: their docs are repetitive or import-order dependent
         out.append((f"{name}.{attr}", obj))
         if inspect.isclass(obj):

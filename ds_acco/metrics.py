@@ -67,6 +67,8 @@ class StepMetrics:
         rec["commit_round_s"] = commit.duration_s
         if estimate is not None and estimate.prev_commit_drift is not None:
             rec["prev_step_estimate_drift"] = estimate.prev_commit_drift  # measured in the previous commit
+        if estimate is not None and estimate.prev_commit_cos is not None:
+            rec["prev_step_estimate_cos"] = estimate.prev_commit_cos  # cos(θ̃ − θ_t, θ_{t+1} − θ_t), same commit
         if lr is not None:
             rec["lr"] = lr  # the scheduler's value
         if commit.lr_factor != 1.0:
@@ -101,6 +103,8 @@ def format_line(record: Dict) -> str:
              f"comm {record['comm_s']:.3f}s exposed {record['exposed_comm_s']:.3f}s overlap {record['overlap']:.2f}"]
     if "prev_step_estimate_drift" in record:
         parts.append(f"drift (prev step) {record['prev_step_estimate_drift']:.3f}")
+    if "prev_step_estimate_cos" in record:
+        parts.append(f"cos {record['prev_step_estimate_cos']:.3f}")
     if math.isfinite(record["step_time_s"]):
         parts.append(f"step {record['step_time_s']:.3f}s")
     if record.get("skipped"):

@@ -1,7 +1,24 @@
-"""The committed weights of an ACCO engine, for evaluation and export."""
+"""The committed weights of an ACCO engine, for evaluation and export.
+
+Between micro-batches an ACCO model's parameters are whatever the compute lane runs on next: half
+the time the estimate θ̃. Two ways to read the committed θ instead:
+
+* :func:`committed_weights`, a ``with`` block (collective in dynamic mode);
+* any ``state_dict()`` of the model or of one of its modules, and so everything built on it
+  (``accelerator.get_state_dict``, ``save_pretrained``, ``engine.save_16bit_model``, FSDP2's
+  ``get_model_state_dict``): :class:`ExportHooks`, which both adapters install, *hold* θ in place
+  (``AccoSchedule.hold_committed_weights``: no copy, no collective) until the next training
+  micro-batch puts the live weights back, bit for bit. Between, a forward in eval mode without
+  autograd (an evaluation) also runs on θ.
+"""
 from __future__ import annotations
 
 import contextlib
+import weakref
+from typing import Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
 
 
 @contextlib.contextmanager
@@ -19,3 +36,90 @@ def committed_weights(engine):
     inner = hook() if hook is not None else contextlib.nullcontext()
     with inner:
         yield engine
+
+
+class ExportHooks:
+    """Every ``state_dict()`` of ``module`` (or of any module inside it) reads the committed θ.
+
+    A state-dict pre-hook on each module holds θ in the live weights (see
+    :meth:`~ds_acco.core.committed.CommittedWeights.hold_committed_weights`). While θ is held, a
+    global forward pre-hook waits for the next forward of one of the model's modules that may be
+    training (training mode, or autograd recording) and puts the live weights back before it runs;
+    the schedule itself does so at the next backward or ``step()``. So an export costs two in-place
+    exchanges and no allocation, and training continues on exactly the trajectory it would have
+    had; during training no hook runs at all. The tensors a ``state_dict()`` returns share storage
+    with the model, as in PyTorch: save or copy them before training on.
+
+    ``settle_shards``: the export reads the optimizer's master shards (FSDP2's sharded
+    parameters), which an estimate round may step in place; it is then waited for too.
+    The hooks hold the schedule weakly and survive neither ``copy.deepcopy`` nor pickling.
+    """
+
+    def __init__(self, module: torch.nn.Module, schedule, settle_shards: bool = False):
+        self._schedule = weakref.ref(schedule)
+        self._settle_shards = settle_shards
+        # Only this model's forwards release θ: not another model's, nor a wrapper's (a DeepSpeed
+        # engine's own `training` flag never changes: its eval() sets only its module's).
+        self._modules = weakref.WeakSet(module.modules())
+        hook = _HoldOnStateDict(self)
+        self._handles = [m.register_state_dict_pre_hook(hook) for m in self._modules]
+        self._forward: Optional[RemovableHandle] = None  # registered while θ is held
+
+    def hold(self, agreed: bool = False) -> None:
+        """Hold θ in the live weights until the next training call (``agreed``: every rank calls
+        this at the same micro-batch count, e.g. ``model.eval()`` under Megatron, so dynamic mode
+        may drain collectively)."""
+        schedule = self._schedule()
+        if schedule is None:
+            return
+        schedule.hold_committed_weights(agreed=agreed, settle_shards=self._settle_shards)
+        if schedule.holds_committed_weights and self._forward is None:
+            self._forward = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+
+    def release(self) -> None:
+        """Put the live weights the schedule runs on back (no-op when nothing is held)."""
+        schedule = self._schedule()
+        if schedule is not None:
+            schedule.release_committed_weights()  # not inside a committed_weights() block
+        if schedule is None or not schedule.holds_committed_weights:
+            self._unregister_forward()
+
+    def remove(self) -> None:
+        """Remove every hook (the engine is done: its schedule left θ in the model for good)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._unregister_forward()
+
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        schedule = self._schedule()
+        if schedule is None or not schedule.holds_committed_weights:
+            self._unregister_forward()  # released meanwhile (a backward, a step, a close)
+        elif module in self._modules and (module.training or torch.is_grad_enabled()):
+            self.release()  # a forward of this model that may be training: it runs on the live weights
+
+    def _unregister_forward(self) -> None:
+        handle, self._forward = self._forward, None
+        if handle is not None:
+            handle.remove()
+
+
+class _HoldOnStateDict:
+    """The state-dict pre-hook of :class:`ExportHooks` (a class, so that a copy of the module, by
+    ``copy.deepcopy`` or pickling, gets an inert hook, not one that holds the original's θ)."""
+
+    def __init__(self, hooks: ExportHooks):
+        self._hooks = weakref.ref(hooks)
+
+    def __call__(self, module, prefix, keep_vars) -> None:
+        hooks = self._hooks()
+        if hooks is not None:
+            hooks.hold()
+
+    def __reduce__(self):
+        return (_Inert, ())  # a deep copy or a pickle of the model belongs to no schedule
+
+
+class _Inert:
+    def __call__(self, *args, **kwargs) -> None:
+        return None

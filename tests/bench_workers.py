@@ -56,3 +56,17 @@ def probe_collective_sizes(spec, stub_timing=False):
     rows = torch.randint(0, 256, (64, spec["seq_len"] + 1), generator=g)
     result = worker.probe(spec, micro_batches(rows, spec["micro_batch"], rank, world), rank, world)
     return result, largest[0]
+
+
+def fidelity_runs(variants, spec, base_cfg):
+    """``run_variant`` on the embedded corpus (what ds_acco.bench.multirun reads), each variant with
+    ``base_cfg`` (its acco.estimate applies to ACCO's variants): this rank's raw records."""
+    import deepspeed
+    from ds_acco.bench import worker
+    from ds_acco.data import build_splits
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train, heldout = build_splits("embedded", seq_len=spec["seq_len"], holdout=0.02, seed=0)
+    return [worker.run_variant(v, spec, base_cfg, train, heldout, rank, world, say=lambda msg: None)
+            for v in variants]

@@ -91,6 +91,8 @@ def make_optimizer(name: str):
             return torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
         if name == "adam":
             return torch.optim.Adam(model.parameters(), lr=0.02)
+        if name == "rmsprop":  # no functional step: the estimate steps the shards for real, then restores them
+            return torch.optim.RMSprop(param_groups(model), lr=0.01)
         raise ValueError(name)
     return build
 

@@ -236,7 +236,7 @@ def config_errors():
     model = sharded_tiny()
     acco = AccoFSDP(model, make_optimizer("sgd")(model), ds_config(4, {"enabled": True}))
     feed(model, acco, 0, 3)
-    model.state_dict()  # FSDP reshards: the next forward would re-gather the committed θ over the live weights
+    model.fc1.reshard()  # FSDP frees fc1's unsharded weights: the next forward would re-gather the committed θ
     try:
         feed(model, acco, 3, 4)
         out["regather"] = "NO ERROR"

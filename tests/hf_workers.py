@@ -103,21 +103,26 @@ def _accelerate_loop(accelerator, engine, opt, sched, case, rank, log, losses, l
     for i in range(gas * steps):
         if log is not None:
             log.before_micro_batch(i)
-        with accelerator.accumulate(engine):
-            x, y = batch(rank, i)
-            if [rank, i] in [list(p) for p in case.get("nan_at", ())]:
-                x = x.clone()
-                x[0, 0] = float("nan")
-            loss = engine(x, y)
-            losses.append(float(loss.detach()))
-            accelerator.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
+        x, y = batch(rank, i)
+        if [rank, i] in [list(p) for p in case.get("nan_at", ())]:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        losses.append(accelerate_micro_batch(accelerator, engine, opt, sched, lambda: engine(x, y)))
         if log is not None:
             log.after_micro_batch(i)
         if accelerator.sync_gradients:
             lrs.append(engine.optimizer.param_groups[0]["lr"])
+
+
+def accelerate_micro_batch(accelerator, engine, opt, sched, forward) -> float:
+    """One micro-batch of Accelerate's documented loop (``forward()`` returns the loss); its loss."""
+    with accelerator.accumulate(engine):
+        loss = forward()
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return float(loss.detach())
 
 
 def _acco_optimizers_built() -> int:

@@ -60,17 +60,68 @@ class _Trainer:
         if self.sched is not None:
             self.sched.step()
 
-    def estimate(self, grads, lr_factor=1.0):
+    def estimate(self, grads, lr_factor=1.0, committed_second_moment=False):
+        if committed_second_moment and self.opt.state:
+            return self._estimate_committed_v(grads, lr_factor)
         model, opt = copy.deepcopy((self.model, self.opt))
         self._apply(model, opt, grads, lr_factor)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def _estimate_committed_v(self, grads, lr_factor):
+        """Adam / AdamW's step written out, with v̂ = v_t / (1 - β2^t) (the committed second
+        moment, not updated) and m updated as usual (docs/estimate.md)."""
+        if self.clip > 0:
+            norm = torch.sqrt(sum((g.double()**2).sum() for g in grads.values()))
+            factor = max(1.0, (float(norm) + 1e-6) / self.clip)
+            grads = {n: g / factor for n, g in grads.items()}
+        decoupled = isinstance(self.opt, torch.optim.AdamW)
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        out = self.params()
+        for group in self.opt.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"] * lr_factor, group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                n = name_of[id(p)]
+                st = self.opt.state[p]
+                t = int(st["step"])
+                theta, g = p.detach().clone(), grads[n].clone()
+                if decoupled:
+                    theta = theta * (1 - lr * wd)
+                elif wd:
+                    g = g + wd * p.detach()
+                m = b1 * st["exp_avg"] + (1 - b1) * g
+                v = st["max_exp_avg_sq"] if group.get("amsgrad") else st["exp_avg_sq"]
+                denom = v.sqrt() / (1 - b2 ** t) ** 0.5 + eps
+                out[n] = theta - lr / (1 - b1 ** (t + 1)) * m / denom
+        return out
+
+    def delay_compensated(self, g_first, theta, est, lam):
+        """DC-ASGD-a on the first-half mean gradient: g + λ g ⊙ g ⊙ (θ_t − θ̃_t) / (√v̂_t + ε), v̂_t the
+        committed Adam second moment bias-corrected for t steps; unchanged before the first commit."""
+        if not lam or not self.opt.state:
+            return g_first
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        out = dict(g_first)
+        for group in self.opt.param_groups:
+            b2, eps = group["betas"][1], group["eps"]
+            for p in group["params"]:
+                n, st = name_of[id(p)], self.opt.state[p]
+                vhat = st["exp_avg_sq"] / (1 - b2 ** int(st["step"]))
+                out[n] = g_first[n] + lam * g_first[n] * g_first[n] * (theta[n] - est[n]) / (vhat.sqrt() + eps)
+        return out
 
 
 def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, world: int, gas: int, steps: int,
                   mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
                   clip: float = 0.0, estimate_log: Optional[List] = None,
-                  skip_estimate=(), skip_commit=(), stock_steps_first: int = 0) -> Dict[str, torch.Tensor]:
+                  skip_estimate=(), skip_commit=(), stock_steps_first: int = 0,
+                  lr_scale: float = 1.0, committed_second_moment: bool = False,
+                  delay_compensation: float = 0.0, sync_warmup_steps: int = 0) -> Dict[str, torch.Tensor]:
     """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank.
+
+    The estimate variants of mode 'acco' (docs/estimate.md): ``lr_scale`` (the estimate's learning
+    rate × this), ``committed_second_moment`` (Adam's v̂ from the committed state), ``delay_compensation``
+    (λ of the commit's DC-ASGD-a term), ``sync_warmup_steps`` (the first that many steps are stock's,
+    then ACCO bootstraps from there: θ̃ = θ).
 
     ``skip_estimate`` / ``skip_commit``: steps whose round had a non-finite gradient: the
     estimate falls back to θ_t; the commit leaves θ, S and the LR schedule unchanged.
@@ -98,13 +149,21 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
         est = tr.params()  # θ̃_0 = θ_0
         for t in range(steps):
             theta = tr.params()
+            if t < sync_warmup_steps:  # stock's step; ACCO then starts here with θ̃ = θ
+                grads = _mean_grad(tr.model, theta, mb(t, 0, gas))
+                if t not in skip_commit:
+                    tr.commit(grads)
+                est = tr.params()
+                continue
             g_first = _mean_grad(tr.model, est, mb(t, 0, h))  # at θ̃_t
             g_second = _mean_grad(tr.model, theta, mb(t, h, gas))  # at θ_t
-            est = theta if t in skip_estimate else tr.estimate(g_first)  # θ̃_{t+1}, S discarded
+            comp = tr.delay_compensated(g_first, theta, est, delay_compensation)
+            # θ̃_{t+1}, S discarded
+            est = theta if t in skip_estimate else tr.estimate(g_first, lr_scale, committed_second_moment)
             if estimate_log is not None:
                 estimate_log.append(est)
             if t not in skip_commit:
-                tr.commit({n: (g_first[n] + g_second[n]) / 2 for n in g_first})  # pooled: equal counts per half
+                tr.commit({n: (comp[n] + g_second[n]) / 2 for n in g_first})  # pooled: equal counts per half
         return tr.params()
     if mode == "dpu":
         history = [tr.params()]  # θ_0, θ_1, ...

@@ -297,11 +297,14 @@ def train_autotp(case: dict) -> dict:
         loss = engine(*batch(dp_rank, i))
         engine.backward(loss)
         engine.step()
+    # AutoTP's export (accelerator.get_state_dict calls it; every rank, the whole model on rank 0),
+    # right after the loop: ACCO's last commit round is in flight
+    exported = engine._consolidated_16bit_state_dict()
     with ds_acco.committed_weights(engine):
         final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     out = {"final": final, "tp_rank": tp_rank, "dp_rank": dp_rank, "engine": type(engine).__name__,
            "optimizer": type(engine.optimizer).__name__, "mp_world_size": engine.mp_world_size,
-           "global_steps": engine.global_steps}
+           "global_steps": engine.global_steps, "exported": exported}
     engine.destroy()
     return out
 

@@ -30,7 +30,13 @@ def train(case: dict, use_ds_acco: bool = True):
     else:
         opt = make_optimizer(case["optimizer"])(model)
         sched = make_scheduler(case.get("schedule"))
-        engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None, config=cfg)
+        try:
+            engine, _, _, _ = init(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None,
+                                   config=cfg)
+        except ValueError as exc:
+            if case.get("refused"):  # the case expects a refusal at initialize: report its message
+                return {"refused": str(exc)}
+            raise
     if case.get("sim_scaler"):
         install_dynamic_scaler(engine, case["sim_scaler"])
     lane_log = install_gated_lane(engine, case["gated"]) if case.get("gated") else None
@@ -261,10 +267,11 @@ def init_errors(cases):
     return out
 
 
-def install_slow_lane(engine, seconds):
-    """Every round sleeps ``seconds`` on the lane first (an injected slow network)."""
+def install_slow_lane(engine, seconds, schedule=None):
+    """Every round sleeps ``seconds`` on the lane first (an injected slow network). ``schedule``:
+    an AccoFSDP's (default: the DeepSpeed engine's)."""
     import time
-    lane = engine.optimizer.schedule.lane
+    lane = (schedule or engine.optimizer.schedule).lane
     inner_submit = lane.submit
 
     def submit(name, fn, **kwargs):

@@ -92,7 +92,8 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
     rule = lr_rule_of(variant)
     variant = mode_of(variant)
     cfg = copy.deepcopy(base)
-    cfg.pop("acco", None)
+    # The base config's estimate variant (docs/estimate.md) applies to every variant with an estimate
+    estimate = (cfg.pop("acco", None) or {}).get("estimate")
     cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
     cfg["gradient_accumulation_steps"] = spec["gas"]
     cfg.pop("train_batch_size", None)
@@ -114,6 +115,8 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
             cfg["acco"]["dynamic"]["lr_scaling"] = rule
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+    if estimate is not None and cfg["acco"]["mode"] == "acco":
+        cfg["acco"]["estimate"] = estimate
     return cfg
 
 

@@ -90,6 +90,25 @@ def one_queue_serialisation(device: torch.device, synchronous: bool) -> Optional
             "it only for --sequence-parallel)")
 
 
+def _check_estimate_variant(config, shard_optimizer: ShardOptimizer) -> None:
+    """The estimate variants that read Adam's second moment need an optimizer that has one and a
+    functional step (torch Adam / AdamW): refuse any other, naming the key and the fix."""
+    est = config.estimate
+    # TODO(helper): delay compensation and the synchronous warm-up are being built; until then refused
+    for key, value in (("estimate.delay_compensation", est.delay_compensation),
+                       ("sync_warmup_steps", config.sync_warmup_steps)):
+        if value:
+            raise ValueError(f"acco.{key} = {value!r} is not available in this build; fix: remove the key")
+    needs = [f"second_moment = {est.second_moment!r}"] if est.second_moment == "committed" else []
+    if est.delay_compensation:
+        needs.append(f"delay_compensation = {est.delay_compensation!r}")
+    if needs and not shard_optimizer.committed_second_moment:
+        raise ValueError(f"acco.estimate.{' and '.join(needs)} reads the committed second moment of torch Adam / "
+                         f"AdamW, which {type(shard_optimizer.optimizer).__name__} (with these settings) does not "
+                         "give; fix: use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true, no capturable "
+                         "or differentiable) or remove the key")
+
+
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
     """A micro-batch's weight under ``acco.weighting``; errors name the call and the fix."""
     if weighting == "micro_batch":
@@ -157,6 +176,7 @@ class AccoDriver:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
+        _check_estimate_variant(config, self.shard_optimizer)
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)

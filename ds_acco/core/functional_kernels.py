@@ -205,10 +205,18 @@ def _into_scratch(b: _Batch, grad: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 # -- torch.optim.Adam / AdamW: _single_tensor_adam / _multi_tensor_adam (not capturable) ----
+COMMITTED_SECOND_MOMENT = "_acco_committed_second_moment"
+"""A key of the step's group view (never of the optimizer's own groups): the estimate reuses the
+committed second moment v_t, bias-corrected for the t committed steps, instead of updating it with
+the estimate's gradient (``acco.estimate.second_moment = 'committed'``). Without state yet (t = 0)
+it is the ordinary estimate."""
+
+
 def adam(b: _Batch, commit: bool = False) -> List[torch.Tensor]:
     """Commit: exp_avg, exp_avg_sq (and max_exp_avg_sq) exist (zeros on the first step, as
     ``_init_group`` makes them) and are updated in place; ``item.step`` is the step count after
-    this step's increment."""
+    this step's increment. Estimate with :data:`COMMITTED_SECOND_MOMENT` in the group: v̂ is
+    v_t / (1 − β2^t), read, never updated (the first moment is updated as usual)."""
     group = b.group
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     beta1, beta2 = group["betas"]
@@ -216,9 +224,10 @@ def adam(b: _Batch, commit: bool = False) -> List[torch.Tensor]:
     decoupled = group.get("decoupled_weight_decay", False)
     exp_avg, exp_avg_sq = b.state("exp_avg"), b.state("exp_avg_sq")
     max_exp_avg_sq = b.state("max_exp_avg_sq") if amsgrad else None
+    committed_v = not commit and bool(group.get(COMMITTED_SECOND_MOMENT)) and exp_avg_sq is not None
     steps = b.steps()
     neg_step_size = [-(lr / (1 - beta1 ** s)) for s in steps]
-    bias_correction2_sqrt = [(1 - beta2 ** s) ** 0.5 for s in steps]
+    bias_correction2_sqrt = [(1 - beta2 ** (s - 1 if committed_v else s)) ** 0.5 for s in steps]
     grad = b.grad
     if maximize:
         grad = _into_scratch(b, grad)
@@ -228,6 +237,9 @@ def adam(b: _Batch, commit: bool = False) -> List[torch.Tensor]:
         torch._foreach_add_(grad, b.param, alpha=wd)
     if commit:  # the new moments over the state they are computed from
         m, v = exp_avg, exp_avg_sq
+    elif committed_v:  # v_t as it is: only read
+        m, v = b.scratch(1), exp_avg_sq
+        torch._foreach_copy_(m, exp_avg)
     else:
         m, v = b.scratch(1), b.scratch(2)
         if exp_avg is None:  # lazy state init: zeros, then the same in-place updates
@@ -237,8 +249,9 @@ def adam(b: _Batch, commit: bool = False) -> List[torch.Tensor]:
             torch._foreach_copy_(m, exp_avg)
             torch._foreach_copy_(v, exp_avg_sq)
     torch._foreach_lerp_(m, grad, 1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, grad, grad, value=1 - beta2)
+    if not committed_v:
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grad, grad, value=1 - beta2)
     # The gradient is no longer needed: from here on the output may be written (it may be the
     # gradient's own memory), and slot 0 is free for the denominator.
     denom = b.scratch(0)

@@ -47,8 +47,8 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 
 from . import chunking
-from .functional_kernels import (StepItem, _copy_chunked, _flat, _local, _Workspace, adam, fused_adam_estimate,
-                                 fused_adam_step, run_windows, sgd)
+from .functional_kernels import (COMMITTED_SECOND_MOMENT, StepItem, _copy_chunked, _flat, _local, _Workspace, adam,
+                                 fused_adam_estimate, fused_adam_step, run_windows, sgd)
 
 WORKSPACE_BUFFERS = 4
 """At most this many chunk-sized buffers (in the parameter's dtype) are allocated per call: SGD
@@ -137,11 +137,14 @@ def supports(optimizer) -> bool:
 # -- the entry point -------------------------------------------------------------------------
 def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
                   outs: Sequence[torch.Tensor], chunk_elems: Optional[int] = None, lr_scale: float = 1.0,
-                  settings: Optional[Sequence[dict]] = None) -> None:
+                  settings: Optional[Sequence[dict]] = None, committed_second_moment: bool = False) -> None:
     """``outs[i] ← Opt(θ, S, g)`` for ``params[i]``, as one ``optimizer.step()`` with ``p.grad =
     grads[i]`` would compute it; ``params``, the state and the param groups are only read
     (``settings``: the groups' settings to use, see :func:`capture_settings`, default their
-    current ones; ``lr_scale``: the step uses each group's learning rate × this, without writing it).
+    current ones; ``lr_scale``: the step uses each group's learning rate × this, without writing it;
+    ``committed_second_moment``: Adam's v̂ is the committed one, not updated with ``grads``
+    (:data:`.functional_kernels.COMMITTED_SECOND_MOMENT`; torch Adam / AdamW only, fused ones
+    through the foreach kernels: :func:`supports_committed_second_moment`)).
 
     ``params`` are tensors the optimizer owns (the ones a real step would see a gradient on; a
     ``None`` gradient leaves the parameter as it is, as the step would). Parameters, gradients
@@ -157,8 +160,18 @@ def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Opt
                          "check supports() first")
     if not (len(params) == len(grads) == len(outs)):
         raise ValueError("params, grads and outs must have the same length")
+    if committed_second_moment and not supports_committed_second_moment(optimizer):
+        raise ValueError(f"no committed-second-moment estimate for {type(optimizer).__name__}; "
+                         "check supports_committed_second_moment() first")
     with torch.no_grad():
-        _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale, settings)
+        _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale, settings,
+                       committed_second_moment)
+
+
+def supports_committed_second_moment(optimizer) -> bool:
+    """Whether the estimate can reuse the committed second moment: torch Adam / AdamW with a
+    functional step (:func:`supports`)."""
+    return _kind(optimizer) == "adam" and supports(optimizer)
 
 
 def capture_settings(optimizer) -> List[dict]:
@@ -186,8 +199,13 @@ def step_groups(optimizer, settings: Optional[Sequence[dict]] = None, lr_scale: 
     return out
 
 
-def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1.0, settings=None) -> None:
+def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1.0, settings=None,
+                   committed_second_moment=False) -> None:
     groups = step_groups(optimizer, settings, lr_scale)
+    if committed_second_moment:  # the fused kernel updates v: these groups take the foreach kernels
+        for view in groups:
+            view[COMMITTED_SECOND_MOMENT] = True
+            view["fused"] = False
     group_of = {id(p): (i, g) for i, g in enumerate(groups) for p in g[_GROUP_PARAMS]}
     items = []
     for p, g, o in zip(params, grads, outs):

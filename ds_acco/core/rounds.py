@@ -69,11 +69,14 @@ class RoundResult:
     wait_s: float = 0.0  # compute-lane time blocked on this round (exposed communication)
     collected_at: float = 0.0
     skipped: bool = False  # non-finite mean gradient: no update (the estimate fell back to θ)
-    lr_factor: float = 1.0  # the learning-rate multiplier the step used (dynamic mode's lr_scaling)
+    lr_factor: float = 1.0  # the learning-rate multiplier the step used (dynamic lr_scaling; × estimate.lr_scale)
     lr: Optional[float] = None  # the first param group's learning rate the step used (× lr_factor)
     # tensor parallelism: some rank of the whole data-parallel × model-parallel grid asked to stop
     # (SIGTERM) with this round; the counts table only carries this data-parallel group's requests
     stop_anywhere: bool = False
+    # Mode acco: the previous commit's cosine between the estimate's update θ̃_{t+1} − θ_t and the
+    # commit's θ_{t+1} − θ_t (read with prev_commit_drift)
+    prev_commit_cos: Optional[float] = None
 
     @property
     def total(self) -> Tally:
@@ -93,14 +96,15 @@ class RoundResult:
                 "prev_commit_drift": self.prev_commit_drift, "started_at": self.started_at,
                 "finished_at": self.finished_at, "wait_s": self.wait_s, "collected_at": self.collected_at,
                 "peer_report": None if self.peer_report is None else [r.to_dict() for r in self.peer_report],
-                "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr, "stop_anywhere": self.stop_anywhere}
+                "skipped": self.skipped, "lr_factor": self.lr_factor, "lr": self.lr, "stop_anywhere": self.stop_anywhere,
+                "prev_commit_cos": self.prev_commit_cos}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RoundResult":
         return cls(RoundKind(d["kind"]), d["step"], Tally(*d["local"]), [Tally(*t) for t in d["per_rank"]],
                    d["grad_norm"], d.get("prev_commit_drift"), reports_from_checkpoint(d["peer_report"]),
                    d["started_at"], d["finished_at"], d["wait_s"], d["collected_at"], d.get("skipped", False),
-                   d.get("lr_factor", 1.0), d.get("lr"), d.get("stop_anywhere", False))
+                   d.get("lr_factor", 1.0), d.get("lr"), d.get("stop_anywhere", False), d.get("prev_commit_cos"))
 
 
 @dataclass(kw_only=True)
@@ -124,6 +128,8 @@ class RoundContext:
     nominal_phase_micro_batches: int = 0  # one fixed-mode phase, all ranks
     commit_phases: int = 1  # phases a commit round's gradients span (2 in mode acco)
     read_counts_first: bool = False  # dynamic mode: read the counts table before the reduce (drain aborts)
+    estimate_lr_scale: float = 1.0  # an estimate round's LR × this (acco.estimate.lr_scale)
+    committed_second_moment: bool = False  # an estimate round reuses Adam's committed v
     pending_drift: Optional[torch.Tensor] = None  # the last commit's drift sums, on the device, not yet read
 
     def lr_factor(self, kind: "RoundKind", micro_batches: int) -> float:
@@ -290,10 +296,9 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         host = torch.cat(parts).tolist()
         head = sums.numel()
         stop_anywhere = head > 1 and host[1] > 0
-        prev_drift = None
+        prev_drift = prev_cos = None
         if pending is not None:
-            num, den = host[head], host[head + 1]
-            prev_drift = math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
+            prev_drift, prev_cos = drift_and_cosine(*host[head:head + 3])
         if per_rank is None:
             width, first = table.shape[1], len(host) - table.numel()
             per_rank, reports = parse_table([host[first + r * width:first + (r + 1) * width]
@@ -322,14 +327,17 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     write_shards(ctx, kind)
                 else:
                     outs = [v for g in ctx.groups for v in g.param_outputs(kind)]
-                    ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor, settings=settings)
+                    lr_factor *= ctx.estimate_lr_scale
+                    ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor, settings=settings,
+                                                      committed_second_moment=ctx.committed_second_moment)
         del grads, flat_grads
         with record_function("ACCO::all_gather"):
             gather(ctx)
     lr = settings[0].get("lr") if settings else None
     return RoundResult(kind, step, local, per_rank, grad_norm, prev_drift, reports, started, time.perf_counter(),
                        skipped=skipped, lr_factor=lr_factor,
-                       lr=float(lr) * lr_factor if isinstance(lr, (int, float)) else None, stop_anywhere=stop_anywhere)
+                       lr=float(lr) * lr_factor if isinstance(lr, (int, float)) else None, stop_anywhere=stop_anywhere,
+                       prev_commit_cos=prev_cos)
 
 
 def _check_counts(kind: RoundKind, step: int, per_rank: Sequence[Tally], reports) -> None:
@@ -350,11 +358,22 @@ def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
     return kept
 
 
+def drift_and_cosine(miss_sq: float, commit_sq: float, estimate_sq: float) -> tuple:
+    """From ‖θ̃ − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖², ‖θ̃ − θ_t‖²: the drift ‖θ̃ − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖
+    and the cosine between the estimate's update θ̃ − θ_t and the commit's θ_{t+1} − θ_t (law of
+    cosines: the three vectors form a triangle). NaN where an update is zero."""
+    nan = float("nan")
+    drift = math.sqrt(miss_sq) / math.sqrt(commit_sq) if commit_sq > 0 else nan
+    denom = 2 * math.sqrt(commit_sq) * math.sqrt(estimate_sq)
+    cos = (commit_sq + estimate_sq - miss_sq) / denom if denom > 0 else nan
+    return drift, cos
+
+
 def _drift_sums(ctx: RoundContext, before: List[torch.Tensor]) -> torch.Tensor:
-    """(‖θ̃_{t+1} − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖²) over all ranks, on the device (the next round reads
-    them). θ̃_{t+1} is what the compute lane runs on during the commit phase: the live weights
-    (their shard is read here, not copied). Summed in fp64 window by window
-    (:func:`.chunking.windows`) through two reused chunk-sized buffers."""
+    """(‖θ̃_{t+1} − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖², ‖θ̃_{t+1} − θ_t‖²) over all ranks, on the device (the
+    next round reads them; :func:`drift_and_cosine`). θ̃_{t+1} is what the compute lane runs on
+    during the commit phase: the live weights (their shard is read here, not copied). Summed in fp64
+    window by window (:func:`.chunking.windows`) through two reused chunk-sized buffers."""
     after = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
     estimate = [v for g in ctx.groups for v in g.live_shard_views()]
     device = before[0].device
@@ -362,7 +381,7 @@ def _drift_sums(ctx: RoundContext, before: List[torch.Tensor]) -> torch.Tensor:
     size = min(ctx.chunk_elems, sum(numels))
     a = torch.empty(size, dtype=torch.float64, device=device)
     b = torch.empty(size, dtype=torch.float64, device=device)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     for window in chunking.windows(numels, ctx.chunk_elems):
         n = chunking.window_size(window)
         x, y = a.narrow(0, 0, n), b.narrow(0, 0, n)
@@ -371,4 +390,9 @@ def _drift_sums(ctx: RoundContext, before: List[torch.Tensor]) -> torch.Tensor:
             torch._foreach_copy_(chunking.slots_in(b, window), chunking.pieces_of(other, window))
             y.sub_(x)
             sums[k] += torch.dot(y, y)
+        # θ̃ − θ_t: a ← θ̃ (this window of the live shard), then minus θ_t
+        torch._foreach_copy_(chunking.slots_in(a, window), chunking.pieces_of(estimate, window))
+        torch._foreach_copy_(chunking.slots_in(b, window), chunking.pieces_of(before, window))
+        x.sub_(y)
+        sums[2] += torch.dot(x, x)
     return collectives.sum_scalars(sums, ctx.process_group)

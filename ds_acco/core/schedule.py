@@ -10,7 +10,8 @@ Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G
 
 G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a round is
 :func:`.rounds.run_round` on the lane. Dynamic mode's drains agree across ranks: :mod:`.drains`;
-the in-flight state of checkpoints: :mod:`.schedule_state`.
+the in-flight state of checkpoints: :mod:`.schedule_state`; θ put into the live weights (evaluation,
+exports): :mod:`.committed`.
 
 Accumulation 'shared' (:class:`.phases.SharedPhases`): each rank measures its compute seconds per
 micro-batch over a phase (wall time minus the time it was blocked on rounds and drains) and sends
@@ -38,6 +39,7 @@ from torch.profiler import record_function
 from ..comm.lane import CommLane
 from . import chunking
 from .buffers import BufferGroup
+from .committed import CommittedWeights
 from .drains import DrainAgreement
 from .phases import PhaseKind, PhaseRecord, SharedPhases, Tally
 from .report import RoundReport
@@ -58,6 +60,10 @@ class ScheduleOptions:
     history: int = 4096  # phases kept for metrics
     lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
     nominal_phase: int = 0  # micro-batches per rank of a fixed-mode phase (the count lr_power compares to)
+    estimate_lr_scale: float = 1.0  # the estimate's LR × this (acco.estimate.lr_scale; 1: the paper's)
+    committed_second_moment: bool = False  # the estimate reuses Adam's committed v (acco.estimate.second_moment)
+    delay_compensation: float = 0.0  # λ of the commit's delay compensation (acco.estimate.delay_compensation)
+    sync_warmup_steps: int = 0  # the first N steps run stock's synchronous schedule (acco.sync_warmup_steps)
 
     def __post_init__(self):
         if self.mode not in ("acco", "dpu"):
@@ -77,10 +83,14 @@ class ScheduleOptions:
                    chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
                    lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
                              if acco.accumulation == "dynamic" else 0.0),
-                   nominal_phase=acco.phase_length(gradient_accumulation_steps))
+                   nominal_phase=acco.phase_length(gradient_accumulation_steps),
+                   estimate_lr_scale=acco.estimate.lr_scale,
+                   committed_second_moment=acco.estimate.second_moment == "committed",
+                   delay_compensation=acco.estimate.delay_compensation,
+                   sync_warmup_steps=acco.sync_warmup_steps)
 
 
-class AccoSchedule(DrainAgreement, ScheduleState):
+class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
     """Owns the phases, the rounds and the swaps for a set of buffer groups.
 
     Args:
@@ -127,7 +137,8 @@ class AccoSchedule(DrainAgreement, ScheduleState):
             chunk_elems=options.chunk_elems, lr_power=options.lr_power,
             nominal_phase_micro_batches=options.nominal_phase * world,
             commit_phases=2 if options.mode == "acco" else 1,
-            read_counts_first=self.agrees_drains)  # set again at each launch (_launch)
+            read_counts_first=self.agrees_drains,  # set again at each launch (_launch)
+            estimate_lr_scale=options.estimate_lr_scale, committed_second_moment=options.committed_second_moment)
         # The rounds' window: the user's, or chosen for the device and the shard (chunking.py).
         device = self.groups[0].comm.device
         self.context.chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in self.groups),
@@ -150,7 +161,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         self.round_observers: List[Callable[[RoundResult], None]] = []  # called as each round is collected
         self._decision: Optional[tuple] = None  # (micro-batch index, why the phase ends or None)
         self._inflight: Optional[_InFlight] = None
-        self._swapped = False  # inside committed_weights: live and gathered exchanged
+        self._init_committed_weights()
         self._closed = False
         self.last_commit_grad_norm: Optional[float] = None  # the newest collected commit's (checkpointed)
         self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
@@ -174,6 +185,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     def decide_phase_end(self) -> bool:
         """Decide, once per micro-batch, whether the phase ends with it (later calls agree)."""
         if self._decision is None or self._decision[0] != self.micro_batches:
+            self.release_committed_weights()  # a micro-batch runs on the live weights
             self._check_drains_pair_up()
             why = self._why_phase_ends()
             inflight = self._inflight
@@ -198,6 +210,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
     def before_backward(self) -> None:
         """Before each backward pass: a loss scale set from outside (e.g. ``override_loss_scale``)
         is applied to G before gradients at the new scale land."""
+        self.release_committed_weights()
         self._sync_accumulated_loss_scale()
 
     def record_micro_batch(self, weight: float = 1.0) -> None:
@@ -211,6 +224,7 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         """Phase boundary: collect the round in flight, swap, launch the next round (with
         ``exchanged``: join a round whose counts table a drain probe already exchanged)."""
         with record_function("ACCO::phase_end"):
+            self.release_committed_weights()  # the swap below moves the live weights the compute lane ran on
             self._measure_phase()
             ended, wait_s, collected = self.phase, 0.0, self._inflight
             if reason is None and self._decision and self._decision[0] == self.micro_batches - 1:
@@ -252,42 +266,15 @@ class AccoSchedule(DrainAgreement, ScheduleState):
         """The kind of the round launched and not yet swapped in (finished or not), if any."""
         return None if self._inflight is None else self._inflight.kind
 
-    @contextlib.contextmanager
-    def committed_weights(self):
-        """Inside: the live weights hold the newest committed θ; on exit, the live state is restored.
-
-        A commit round in flight is waited for (its θ is the newest); an estimate round is not:
-        the live weights already are the committed θ_t and the round may go on.
-        """
-        with self._off_the_clock(), self._swapped_to_committed():  # an evaluation is not micro-batch compute
-            yield
-
-    @contextlib.contextmanager
-    def _swapped_to_committed(self):
-        if self.agrees_drains:
-            self.drain()  # on every rank, whatever the kind in flight: drains must pair up
-        inflight = self._inflight
-        swap = inflight is not None and inflight.kind is RoundKind.COMMIT
-        if swap:  # B holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu)
-            if not self.agrees_drains:
-                self.drain()
-            for g in self.groups:
-                g.swap_live_and_gathered()
-            self._swapped = True
-        try:
-            yield
-        finally:
-            if swap:
-                for g in self.groups:
-                    g.swap_live_and_gathered()
-                self._swapped = False
-
     def close(self) -> None:
-        """Drain and stop the lane (once: later calls do nothing)."""
+        """Drain, leave the committed θ in the live weights for good (nothing trains after a
+        close, and whatever reads the model next, an export, gets θ) and stop the lane (once:
+        later calls do nothing)."""
         if self._closed:
             return
         try:
             self.drain()
+            self.hold_committed_weights()
         finally:
             self._closed = True
             self.lane.close()

@@ -67,6 +67,7 @@ class ScheduleState:
             raise ValueError(f"ACCO in-flight state does not fit this run ({', '.join(mismatch)} differ)")
         info = state["inflight"]
         result = None if info is None else RoundResult.from_dict(info["result"])  # may refuse: before any change
+        self._swapped = self._held = False  # a hold ends here: the import below overwrites live weights and B
         ctx = self.context
         # The shards are all-gathered on the lane (the rounds' group; drained, so it is free):
         # every rank loads at the same point.
@@ -106,6 +107,7 @@ class ScheduleState:
         """Forget everything in flight and start a bootstrap phase at the current weights, as after
         ``committed_steps`` optimizer steps (e.g. after loading a stock ZeRO-1 checkpoint)."""
         self.drain()
+        self._swapped = self._held = False  # a hold ends here: the live weights as they are now (θ if held)
         self._inflight = None
         self.step_index = self.committed_steps = committed_steps
         self.phase = PhaseKind.BOOTSTRAP

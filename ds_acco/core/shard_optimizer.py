@@ -102,6 +102,11 @@ class ShardOptimizer:
         """Whether the real step runs on a :class:`RoundView` (see :func:`register_step_on_round_groups`)."""
         return type(self.optimizer) in _ROUND_GROUP_STEPS
 
+    @property
+    def committed_second_moment(self) -> bool:
+        """Whether the estimate can reuse the committed second moment (torch Adam / AdamW, functional)."""
+        return self.functional and functional_step.supports_committed_second_moment(self.optimizer)
+
     def settings(self) -> List[dict]:
         """The param groups' settings now, for a round launched now (:func:`.functional_step.capture_settings`)."""
         return functional_step.capture_settings(self.optimizer)
@@ -136,21 +141,25 @@ class ShardOptimizer:
         return None if read is None else read()
 
     def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                      lr_scale: float = 1.0, settings: Optional[Sequence[dict]] = None) -> None:
+                      lr_scale: float = 1.0, settings: Optional[Sequence[dict]] = None,
+                      committed_second_moment: bool = False) -> None:
         """``outs[i] ← θ̃[i]`` of Opt(θ, S, g) (cast to each out's dtype); θ and S are left exactly
         as they were. ``outs[i]`` is contiguous with the (local) numel of master ``i``.
 
         Functional path when the optimizer is supported (no snapshot; O(chunk_elems) extra
         memory); otherwise snapshot → step → copy → restore (one shard copy of θ and S).
-        ``settings`` and ``lr_scale``: as in :meth:`commit`.
+        ``settings`` and ``lr_scale``: as in :meth:`commit`. ``committed_second_moment``: Adam's v̂
+        is the committed one (functional torch Adam / AdamW only: :attr:`committed_second_moment`).
         """
         if len(grads) != len(self.masters) or len(outs) != len(self.masters):
             raise ValueError(f"expected {len(self.masters)} gradients and outputs, "
                              f"got {len(grads)} and {len(outs)}")
         if self.functional:
             functional_step.estimate_into(self.optimizer, self.masters, grads, outs, self.chunk_elems, lr_scale,
-                                          settings)
+                                          settings, committed_second_moment)
             return
+        if committed_second_moment:
+            raise ValueError(f"{type(self.optimizer).__name__} has no committed-second-moment estimate")
 
         def copy_out() -> None:
             with torch.no_grad():

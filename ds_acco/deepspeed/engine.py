@@ -25,6 +25,7 @@ from ..config import (AccoConfig, ParallelLayout, acco_config_of, caller_boundar
 from ..core import publish
 from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
+from ..weights import ExportHooks
 from .optimizer import _REPLACED_KNOBS, AccoZeroOptimizer
 
 _PATCH_LOCK = threading.RLock()
@@ -61,7 +62,7 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_pending = False  # a backward whose micro-batch step() has not counted yet
         self._acco_window_skipped = False  # a commit skipped since the last step() (caller-boundary mode)
         self._acco_warned_boundary = False
-        self._acco_eval_weights = None  # committed_weights() context entered by eval() (ds_acco.install())
+        self._acco_exports = None  # ExportHooks: every state_dict() of the model reads the committed θ
         super().__init__(*args, **kwargs)
         if not isinstance(self.optimizer, AccoZeroOptimizer):
             raise ValueError(f"acco.enabled = true but DeepSpeed built {type(self.optimizer).__name__}, not a ZeRO "
@@ -70,6 +71,7 @@ class AccoEngine(DeepSpeedEngine):
         driver = self.optimizer.driver
         driver.monitor = self.monitor
         driver.install_sigterm(save=self.save_checkpoint)
+        self._acco_exports = ExportHooks(self.module, driver.schedule)
         explicit = self._config._param_dict.get("zero_optimization", {})
         ignored = [k for k in _REPLACED_KNOBS if k in explicit]
         if ignored and self.global_rank == 0:
@@ -171,7 +173,7 @@ class AccoEngine(DeepSpeedEngine):
             raise ValueError("engine.backward(..., scale_wrt_gas=False) with ACCO: the mean gradient is formed "
                              "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True "
                              "(HF Trainer / Accelerate: call ds_acco.install() before building the Trainer)")
-        self._acco_leave_eval_weights()  # a backward after eval() without train(): back on the live weights
+        self._acco_leave_committed_weights()  # a backward after eval() without train(): back on the live weights
         self._acco_weight = driver.check_weight(weight, "engine.backward")
         out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         if self._acco_caller_boundary is None:
@@ -204,7 +206,7 @@ class AccoEngine(DeepSpeedEngine):
         driver = self._acco_driver()
         if driver is None:
             return super().step(lr_kwargs)
-        self._acco_leave_eval_weights()
+        self._acco_leave_committed_weights()
         if self._acco_caller_boundary is not None and not self._acco_pending:
             # Once per iteration of a caller that sets the boundary: the micro-batches were counted
             # (and phases ended) in backward(); only the per-iteration bookkeeping is left.
@@ -265,12 +267,18 @@ class AccoEngine(DeepSpeedEngine):
         """The metrics of the last committed steps (oldest first, bounded)."""
         return list(self.optimizer.driver.metrics.records)
 
-    # -- committed weights and teardown -----------------------------------------------------------
+    # -- committed weights, exports and teardown ----------------------------------------------------
     def acco_committed_weights(self):
         """See :func:`ds_acco.committed_weights`."""
-        if self._acco_eval_weights is not None:
-            return contextlib.nullcontext()  # eval() already put the committed θ in place
         return self.optimizer.committed_weights()
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """DeepSpeed's, on the committed θ: with AutoTP (``accelerator.get_state_dict`` calls it) it
+        gathers the parameters themselves, not a ``state_dict()``, so the export hook is not asked."""
+        exports = self.__dict__.get("_acco_exports")
+        if exports is not None:
+            exports.hold()
+        return super()._consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def was_step_applied(self) -> bool:
         """DeepSpeed's answer. With a caller that sets the accumulation boundary (Megatron): True
@@ -281,35 +289,31 @@ class AccoEngine(DeepSpeedEngine):
     # -- evaluation on committed weights (ds_acco.install(): Megatron's evaluate()) ----------------
     def eval(self):
         """DeepSpeed's ``eval()``. While :func:`ds_acco.install` is in effect, it also puts the
-        newest committed θ into the model until ``train()`` (or the next ``backward``/``step``):
-        Megatron's ``evaluate()`` calls ``model.eval()`` ... ``model.train()`` on every rank around
-        its forward-only passes, so it never evaluates the estimate θ̃. Collective (it may wait
-        for the commit round in flight): call it on every rank, as Megatron does."""
+        newest committed θ into the model until ``train()`` (or the next forward in training mode,
+        ``backward`` or ``step``): Megatron's ``evaluate()`` calls ``model.eval()`` ...
+        ``model.train()`` on every rank around its forward-only passes, so it never evaluates the
+        estimate θ̃. Collective in dynamic mode (a drain): call it on every rank, as Megatron does."""
         super().eval()
         self._acco_enter_eval_weights()
 
     def train(self, mode=True):
         if mode:
-            self._acco_leave_eval_weights()
+            self._acco_leave_committed_weights()
         super().train(mode)
         if not mode:
             self._acco_enter_eval_weights()
 
     def _acco_enter_eval_weights(self) -> None:
         from .._routing import installed
-        driver = self._acco_driver()
-        if driver is None or self._acco_eval_weights is not None or not installed():
-            return
-        if getattr(driver.schedule, "_swapped", False):
-            return  # inside committed_weights() already (HF Trainer's evaluation_loop)
-        ctx = driver.committed_weights()
-        ctx.__enter__()
-        self._acco_eval_weights = ctx
+        exports = self.__dict__.get("_acco_exports")
+        if exports is not None and installed():
+            exports.hold(agreed=True)
 
-    def _acco_leave_eval_weights(self) -> None:
-        ctx, self._acco_eval_weights = self.__dict__.get("_acco_eval_weights"), None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+    def _acco_leave_committed_weights(self) -> None:
+        """Back on the live weights after a hold (``eval()``, an export's ``state_dict()``)."""
+        exports = self.__dict__.get("_acco_exports")
+        if exports is not None:
+            exports.release()
 
     def destroy(self):
         """ACCO's drain, then DeepSpeed's destroy -- always, even when the drain raises (a round
@@ -321,9 +325,11 @@ class AccoEngine(DeepSpeedEngine):
                     driver.finalised()  # no drain: see __del__
                 else:
                     try:
-                        self._acco_leave_eval_weights()
+                        driver.close()  # leaves the committed θ in the model: exports after destroy() read it
                     finally:
-                        driver.close()
+                        exports, self._acco_exports = self.__dict__.get("_acco_exports"), None
+                        if exports is not None:
+                            exports.remove()
         finally:
             super().destroy()
 
@@ -358,7 +364,7 @@ class AccoEngine(DeepSpeedEngine):
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's load; then ACCO's in-flight state is restored when the checkpoint has it
         for this world size, otherwise a fresh phase starts at the loaded (committed) weights."""
-        self._acco_leave_eval_weights()
+        self._acco_leave_committed_weights()
         schedule = self._acco_driver().schedule
         schedule.drain()
         self.optimizer.pending_acco_state = None

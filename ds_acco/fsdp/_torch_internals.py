@@ -107,6 +107,47 @@ def guard_regather(modules: List[FSDPModule], allowed: Callable[[], bool], messa
     return remove
 
 
+def state_dict_keeps_resident(modules: List[FSDPModule]) -> Callable[[], None]:
+    """Make ``state_dict()`` leave resident unsharded parameters in place.
+
+    FSDP's state-dict pre-hook (``FSDPParamGroup._to_sharded``) registers the sharded parameters
+    for the call -- a state dict holds the sharded DTensors -- and *frees* the unsharded ones, which
+    its next forward re-gathers. ACCO's resident layout keeps them: they are its live weights,
+    possibly the estimate θ̃, and no shard holds them. So each of those hooks is replaced by a pair
+    that registers the sharded parameters for the call and the unsharded ones again after it,
+    freeing nothing. Returns the function that puts FSDP's own hooks back."""
+    replaced = []
+    for pg in (pg for m in modules for pg in param_groups(m)):
+        handles = pg._module_to_pre_save_state_dict_hook_handle
+        for module, handle in list(handles.items()):
+            fsdp_hook = module._state_dict_pre_hooks[handle.id]
+            handle.remove()
+            pre = module.register_state_dict_pre_hook(_RegisterParams(pg, sharded=True))
+            post = module.register_state_dict_post_hook(_RegisterParams(pg, sharded=False))
+            replaced.append((pg, module, fsdp_hook, pre, post))
+
+    def restore() -> None:
+        for pg, module, fsdp_hook, pre, post in replaced:
+            pre.remove()
+            post.remove()
+            pg._module_to_pre_save_state_dict_hook_handle[module] = module.register_state_dict_pre_hook(fsdp_hook)
+        replaced.clear()
+    return restore
+
+
+class _RegisterParams:
+    """Registers a parameter group's sharded (or its unsharded) parameters on their modules, if the
+    group is unsharded; FSDP's own state is left as it is."""
+
+    def __init__(self, pg, sharded: bool):
+        self.pg, self.sharded = pg, sharded
+
+    def __call__(self, *args) -> None:
+        if self.pg.is_unsharded:
+            for fp in self.pg.fsdp_params:
+                fp._setattr_on_modules(fp.sharded_param if self.sharded else fp._unsharded_param)
+
+
 def gather_source(p: FSDPParamView) -> torch.Tensor:
     """The padded flat shard FSDP all-gathers ``p`` from (``FSDPParam._sharded_param_data``: at
     first a view of the sharded parameter's own storage)."""

@@ -35,6 +35,7 @@ from ..config import acco_config_of, check_lockstep, check_schedule_compat, load
 from ..core.driver import AccoDriver, check_same_on_all_ranks
 from ..core.rounds import RoundResult
 from ..core.schedule import AccoSchedule
+from ..weights import ExportHooks
 from . import _torch_internals as fsdp_internals
 from .buffers import FSDPBuffers, FSDPShardedBuffers
 
@@ -46,10 +47,11 @@ _RESET_REFUSED = (
     "shards and the estimate's, with a round in flight; fix: acco.load_checkpoint() to load weights, or acco.close() "
     "first")
 _REGATHER_REFUSED = (
-    "FSDP is about to re-gather parameters that ACCO keeps resident (model.state_dict(), reshard() or .to() was "
+    "FSDP is about to re-gather parameters that ACCO keeps resident (reshard(), .to() or load_state_dict() was "
     "called while AccoFSDP is active): the live weights would be overwritten by the shards; fix: use "
-    "acco.save_checkpoint() for checkpoints, ds_acco.committed_weights(acco) with model.named_parameters() to read "
-    "the weights, or acco.close() first")
+    "acco.save_checkpoint() / acco.load_checkpoint() for checkpoints, model.state_dict() or "
+    "ds_acco.committed_weights(acco) with model.named_parameters() to read the committed weights, or acco.close() "
+    "first")
 
 
 class AccoFSDP:
@@ -131,6 +133,10 @@ class AccoFSDP:
                              "a real step on the shards FSDP all-gathers from during that phase (only torch SGD / "
                              "Adam / AdamW have a functional step); fix: use one of those, or the resident layout "
                              "(sharded_params=False)")
+        # Every model.state_dict() (and get_model_state_dict, DCP) reads the committed θ: the
+        # sharded parameters FSDP puts in a state dict are the master shards, settled first.
+        self._exports = ExportHooks(model, self.driver.schedule, settle_shards=True)
+        self._remove_guard = _chain(self._exports.remove, self._remove_guard)  # close() undoes all of it
         self.driver.install_sigterm(save=self.save_checkpoint, checkpoint_dir=self.sigterm_checkpoint_dir)
 
     def _take_over_fsdp(self, model: FSDPModule, acco) -> FSDPBuffers:
@@ -163,8 +169,9 @@ class AccoFSDP:
             if self.sharded_params:
                 m.reshard()  # one module's parameters unsharded at a time
         self.regather_allowed = False
-        self._remove_guard = (lambda: None) if self.sharded_params else fsdp_internals.guard_regather(
-            modules, lambda: self.regather_allowed, _REGATHER_REFUSED)
+        self._remove_guard = (lambda: None) if self.sharded_params else _chain(
+            fsdp_internals.guard_regather(modules, lambda: self.regather_allowed, _REGATHER_REFUSED),
+            fsdp_internals.state_dict_keeps_resident(modules))  # state_dict() frees nothing ACCO keeps
         params = fsdp_internals.trainable_params(modules)
         if not params:
             raise ValueError("the model has no trainable FSDP parameters; fix: apply fully_shard to modules "
@@ -333,6 +340,14 @@ def _mesh_group(model: torch.nn.Module):
     from torch.distributed.tensor import DTensor
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
     return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+
+
+def _chain(*undo):
+    """One function calling each of ``undo`` in turn (what ``close()`` undoes of the take-over)."""
+    def run() -> None:
+        for fn in undo:
+            fn()
+    return run
 
 
 def _accumulate_into(grad: torch.Tensor):

@@ -11,6 +11,7 @@ tensor-parallel size comes from ``deepspeed.tp_model_init`` rather than the conf
 on a data x sequence-parallel mesh shows the built layout is read from DeepSpeed's groups.
 """
 import pytest
+import torch
 
 import tp_workers
 from dist import run_ranks
@@ -69,6 +70,18 @@ def test_autotp_matches_the_unsplit_reference(runs, case):
     assert rel_distance(got, _reference(case, clip=0.0)) > 1e-3  # the clip is active
     if case.get("modes_apart"):  # the other recurrence (stock for ACCO, ACCO for stock) is far away
         assert rel_distance(got, _reference(dict(case, acco=None if case["acco"] else ACCO))) > 1e-3
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_autotp_export_is_the_committed_weights(runs, case):
+    """AutoTP's consolidated export (``accelerator.get_state_dict`` under AutoTP), taken right after
+    the loop with ACCO's last commit round in flight, is the committed θ the evaluation sees."""
+    ranks = runs[case["name"]]
+    exported = ranks[0]["exported"]
+    assert all(r["exported"] is None for r in ranks[1:])  # the whole model on rank 0 only
+    theta = gather_autotp([r["final"] for r in ranks[:2]])
+    assert exported.keys() == theta.keys()
+    assert all(torch.equal(exported[n], theta[n]) for n in theta), case["name"]
 
 
 @pytest.mark.parametrize("accumulation", ["dynamic", "shared"])

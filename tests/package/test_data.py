@@ -11,8 +11,23 @@ NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.p
 
 
 def test_embedded_corpus_is_deterministic_and_sizeable():
-    a = data.embedded_corpus()
-    assert a == data.embedded_corpus() and len(a) > 100_000
+    """The same text in a fresh interpreter as in this one, where pytest has replaced stdlib hooks
+    (threading.excepthook): before, the corpus -- so every benchmark's data -- depended on what the
+    process had imported (483,187 characters under pytest against 483,306 in a plain run)."""
+    import hashlib
+    import subprocess
+    import sys
+    a = data.embedded_corpus.__wrapped__()  # not the cache: computed here, now
+    code = "import hashlib; from ds_acco.data import embedded_corpus; print(hashlib.md5(embedded_corpus().encode()).hexdigest())"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert hashlib.md5(a.encode()).hexdigest() == fresh and len(a) > 100_000
+
+
+def test_a_replaced_stdlib_hook_does_not_change_the_corpus(monkeypatch):
+    import threading
+    plain = data.embedded_corpus.__wrapped__()
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # as pytest's plugin does
+    assert data.embedded_corpus.__wrapped__() == plain
 
 
 def test_byte_tokenizer_round_trips():
