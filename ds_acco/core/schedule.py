@@ -21,8 +21,13 @@ exports): :mod:`.committed`.
 Accumulation 'shared' (:class:`.phases.SharedPhases`): each rank measures its compute seconds per
 micro-batch over a phase (wall time minus the time it was blocked on rounds and drains) and sends
 it with the round it launches at that phase's end. At its n-th phase end every rank collects the
-same round n-1, so every rank computes the next phase's shares from the same table: the shares
-agree with no collective of their own. (The bootstrap phase, a warm-up, is not measured.)
+same round n-1, so every rank computes the next phase's shares from the same table (and the same
+tables before it: each rank's median over the last few measured phases, :func:`.phases.typical_rates`,
+so that one slow phase does not move them): the shares agree with no collective of their own.
+(The bootstrap phase, a warm-up, is not measured.) While
+every phase has had equal shares (``SharedPhases.aligned``) the schedule is fixed mode, per
+micro-batch, per round and per drain: the speeds ride in the counts table every round sends
+anyway, and the only extra work is the share rule at each phase end (a few floats).
 """
 from __future__ import annotations
 
@@ -142,7 +147,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
             chunk_elems=options.chunk_elems, lr_power=options.lr_power,
             nominal_phase_micro_batches=options.nominal_phase * world,
             commit_phases=2 if options.mode == "acco" else 1,
-            read_counts_first=not isinstance(options.phases, FixedPhases),
+            read_counts_first=self.agrees_drains,  # set again at each launch (_launch)
             estimate_lr_scale=options.estimate_lr_scale, committed_second_moment=options.committed_second_moment,
             delay=DelayCompensation(self.groups, options.delay_compensation) if options.delay_compensation else None)
         # A step of the synchronous warm-up is stock's: the A micro-batches of two ACCO phases.
@@ -368,6 +373,10 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         step = self.step_index
         report = self._report() if exchanged is None else None
         ctx = self.context
+        # Only where drains run the agreement protocol can a peer fill this round's slot with a drain
+        # abort (drains.py); shared phases leave fixed mode's path at a phase end. The lane is idle
+        # here (the previous round was collected), so no round reads the field while it changes.
+        ctx.read_counts_first = self.agrees_drains
         if self.before_launch is not None:
             self.before_launch()
         # The round's step uses the settings of now: a scheduler stepped meanwhile on this thread

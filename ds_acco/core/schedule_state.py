@@ -49,6 +49,9 @@ class ScheduleState:
             "drains": self.drains,
             "last_commit_grad_norm": self.last_commit_grad_norm,
             "shares": list(self.phases.shares) if isinstance(self.phases, SharedPhases) else None,
+            "shares_aligned": self.phases.aligned if isinstance(self.phases, SharedPhases) else None,
+            "share_rates": ([list(v) for v in self.phases.measured] if isinstance(self.phases, SharedPhases)
+                            else None),
             "groups": [g.export_state(self._swapped) for g in self.groups],
             "delay": None if self.context.delay is None else self.context.delay.state(),  # D (delay compensation)
             "inflight": None if inflight is None else {
@@ -92,7 +95,11 @@ class ScheduleState:
         self._decision = None
         self.context.pending_drift = None  # a drift measured before the load belongs to no step after it
         if isinstance(self.phases, SharedPhases) and state.get("shares"):  # none: saved in another mode
-            self.phases = self.phases.for_rank(self.rank, self.world, state["shares"])
+            # Saved before 'shares_aligned' existed: its shares may have differed earlier, which
+            # leaves the ranks' phase ends apart, so drains keep the agreement protocol.
+            self.phases = self.phases.for_rank(self.rank, self.world, state["shares"],
+                                               aligned=state.get("shares_aligned") or False,
+                                               measured=state.get("share_rates") or ())
         self._phase_clock = None  # the phase in progress began before the save: not measured
         if info is None:
             self._inflight = None
