@@ -47,7 +47,7 @@ def _committed(engine):
 
 def megatron_run(case: dict):
     """``case``: mode, gas, iters, protocol ('megatron' or 'per_mb'), nan_at [(rank, i)], evaluate,
-    scheduler ('megatron-like': tests/schedulers.py's stand-in for Megatron's own; default IncrementLR)."""
+    acco_extra (more keys of the acco block), scheduler ('megatron-like': tests/schedulers.py's stand-in for Megatron's own; default IncrementLR)."""
     rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
     gas, iters = case["gas"], case["iters"]
     if case.get("evaluate"):
@@ -59,7 +59,7 @@ def megatron_run(case: dict):
         sched = MegatronLikeScheduler(opt)
     else:
         sched = IncrementLR(opt)
-    acco = None if case["mode"] == "stock" else {"enabled": True, "mode": case["mode"]}
+    acco = None if case["mode"] == "stock" else {"enabled": True, "mode": case["mode"], **case.get("acco_extra", {})}
     engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(gas, acco))
     from lr_workers import record_used
     used = record_used(engine, opt)

@@ -28,7 +28,8 @@ def phase_end_allocations(acco: dict, optimizer: str = "adamw", extra: dict = No
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
            "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
            "steps_per_print": 10 ** 9, "acco": {"synchronous": True, "chunk_elements": CHUNK, **acco}, **(extra or {})}
-    engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
+    with AllocCounter() as built:  # what the engine allocates for good (ACCO's G, B, ...)
+        engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
     counter = AllocCounter()
     torch_opt = engine.optimizer.optimizer
     torch_opt.step = counter.pause(torch_opt.step)
@@ -47,7 +48,7 @@ def phase_end_allocations(acco: dict, optimizer: str = "adamw", extra: dict = No
                          "report": counter.report(5)})
     shard = engine.optimizer.driver.schedule.groups[0].segment
     engine.destroy()
-    return {"ends": ends, "shard": shard}
+    return {"ends": ends, "shard": shard, "built": sorted((a.storage_elems, str(a.dtype)) for a in built.allocations)}
 
 
 def cases(cases):

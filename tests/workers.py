@@ -299,7 +299,7 @@ def train_until(case: dict):
         install_slow_lane(engine, case["slow_lane"])
     schedule = engine.optimizer.schedule
     sleep = case.get("sleep", {}).get(str(rank), 0.0)
-    i, losses, shares = 0, [], []
+    i, losses, shares, aligned = 0, [], [], []
     if case.get("resume"):
         path, client = engine.load_checkpoint(case["resume"][0], tag=f"step{case['resume'][1]}")
         assert path is not None
@@ -324,6 +324,7 @@ def train_until(case: dict):
         i += 1
         losses.append(loss.item())
         shares.append(getattr(schedule.phases, "shares", None))
+        aligned.append(getattr(schedule.phases, "aligned", None))
         if save_dir is not None and engine.global_steps == save_at:
             # Ranks consume their data unevenly in dynamic and shared mode: every rank's position goes
             # into the checkpoint (DeepSpeed writes client_state from rank 0 only).
@@ -337,6 +338,8 @@ def train_until(case: dict):
         "final": final,
         "losses": losses,
         "shares": shares,  # after each micro-batch (accumulation 'shared')
+        "aligned": aligned,  # after each micro-batch: every phase so far had equal shares ('shared')
+        "drains_agree_by_protocol": schedule.agrees_drains,  # at the end, before the final drain
         "fed": i,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,

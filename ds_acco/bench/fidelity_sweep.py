@@ -5,6 +5,7 @@ it finished).
 
     python -m ds_acco.bench.fidelity_sweep OUT.json [--device cuda] [--budget-s 420] [--tiny]
     python -m ds_acco.bench.fidelity_sweep --table OUT.json      # the table of docs/bench/fidelity-sweep-h200
+    python -m ds_acco.bench.fidelity_sweep OUT.json --short --budget-s 7200   # the 300-step horizon (CPU)
 """
 import argparse
 import json
@@ -20,13 +21,20 @@ LARGE = dict(n_embd=272, n_layer=2, n_head=4)  # 1.86M: 4.3x
 VARIANTS = ["stock", "paper", "keep_v", "dc", "warm", "la1.25", "la1.5", "la2"]
 
 
-def groups(tiny=False):
+SHORT_VARIANTS = ["stock", "paper", "la1.5", "la2"]  # the horizon where the early lag weighs most: the deciding ones
+
+
+def groups(tiny=False, short=False):
     out = []
-    def add(size, lr, steps, seeds, beta2=0.95):
+    def add(size, lr, steps, seeds, beta2=0.95, variants=VARIANTS):
         warmup = 50 if steps >= 1000 else max(2, steps // 20)
         out.append((dict(size, lr=1e-3 * lr, steps=steps, warmup=warmup, beta2=beta2),
                     {"size": "small" if size is SMALL else "large", "lr_mult": lr, "steps": steps, "beta2": beta2},
-                    [(v, s) for s in range(seeds) for v in VARIANTS]))
+                    [(v, s) for s in range(seeds) for v in variants]))
+    if short:  # 300 steps (15 of warm-up), 3 paired seeds; sized for a CPU
+        for size, lr in ((SMALL, 2), (LARGE, 1), (SMALL, 0.5), (SMALL, 1), (LARGE, 2)):
+            add(size, lr, 300, 3, variants=SHORT_VARIANTS)
+        return out
     if tiny:
         add(SMALL, 2, 6, 2)
         add(LARGE, 1, 4, 1)
@@ -107,6 +115,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--short", action="store_true", help="the 300-step groups only (stock, paper, la1.5, la2)")
     a = ap.parse_args()
     if a.table:
         with open(a.out) as f:
@@ -120,12 +129,12 @@ def main():
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
                "groups": []}
-    for kw, meta, runs in groups(a.tiny):
+    for kw, meta, runs in groups(a.tiny, a.short):
         if time.time() - t0 > a.budget_s:
             print("budget spent; stopping before", meta, flush=True)
             break
         g0 = time.time()
-        s = multirun.Setting(**kw, eval_every=50 if kw["steps"] >= 400 else max(1, kw["steps"] // 3))
+        s = multirun.Setting(**kw, eval_every=50 if kw["steps"] >= 300 else max(1, kw["steps"] // 3))
         recs = multirun.run_group(s, runs, a.device)
         meta = dict(meta, wall_s=time.time() - g0, runs=recs)
         results["groups"].append(meta)

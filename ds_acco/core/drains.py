@@ -26,7 +26,15 @@ P collected without the flag), every rank fills slot P exactly once (a normal la
 its drain, or its probe), and no rank fills P+1 before its drain d is over (step 3). Each slot's
 decision (full round or dropped) is a function of its table, the same on every rank. Fixed mode
 (phase ends at equal micro-batch counts everywhere, so drains already agree) sends no flag and
-no probe: it is unchanged.
+no probe: it is unchanged. So is accumulation 'shared' while every phase so far had equal shares
+(``SharedPhases.aligned``): its phase ends then fall at fixed mode's micro-batch counts on every
+rank, and it drains as fixed mode does -- no probe, no wait for an estimate round in flight, no
+early collection at the phase-end decision, no host read of the counts before a round's reduce.
+The shares of a phase are computed by every rank from the same table at the same phase end, so
+every rank leaves that state at the same phase end, and (drains being at equal micro-batch
+counts) on the same side of every drain; no flag was sent before, so the drain numbering starts
+there on every rank alike. A round launched while aligned fills its slot on every rank (no abort
+can), so only rounds launched after read their counts first.
 """
 from __future__ import annotations
 
@@ -47,8 +55,13 @@ class DrainAgreement:
 
     @property
     def agrees_drains(self) -> bool:
-        """Whether drains run the agreement protocol (any policy but fixed phases)."""
-        return not isinstance(self.phases, FixedPhases)
+        """Whether drains run the agreement protocol: whenever the ranks may stand at different phase
+        positions -- dynamic phases, and shared phases once their shares have differed (not while
+        every phase had equal shares: that is fixed mode, see the module docstring)."""
+        phases = self.phases
+        if isinstance(phases, SharedPhases):
+            return not phases.aligned
+        return not isinstance(phases, FixedPhases)
 
     def _peer_draining(self) -> bool:
         """The collected round in flight carries some rank's flag for this rank's next drain."""

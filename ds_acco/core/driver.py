@@ -94,11 +94,6 @@ def _check_estimate_variant(config, shard_optimizer: ShardOptimizer) -> None:
     """The estimate variants that read Adam's second moment need an optimizer that has one and a
     functional step (torch Adam / AdamW): refuse any other, naming the key and the fix."""
     est = config.estimate
-    # TODO(helper): delay compensation and the synchronous warm-up are being built; until then refused
-    for key, value in (("estimate.delay_compensation", est.delay_compensation),
-                       ("sync_warmup_steps", config.sync_warmup_steps)):
-        if value:
-            raise ValueError(f"acco.{key} = {value!r} is not available in this build; fix: remove the key")
     needs = [f"second_moment = {est.second_moment!r}"] if est.second_moment == "committed" else []
     if est.delay_compensation:
         needs.append(f"delay_compensation = {est.delay_compensation!r}")
@@ -473,6 +468,9 @@ class _LRBookkeeping:
         self._owed = False  # a launched commit's scheduler step not yet taken
         self._commit_in_flight = False  # a commit launched and not yet collected
         self._undos: List[SchedulerUndo] = []  # the scheduler steps taken for the commit in flight, in order
+        # The commit launched last was collected skipped before the caller stepped its scheduler for it
+        # (the synchronous warm-up collects it inside the step() that launched it): that step is not taken.
+        self._collected_skipped = False
         self._deferred = False  # our scheduler has no undo: stepped at the collection of an applied commit
         self._no_undo: dict = {}  # id(scheduler) -> why it cannot be undone, once found out
         self._warned: set = set()
@@ -486,7 +484,7 @@ class _LRBookkeeping:
         # optimizer.step recorded a call, so record it here as that wrapper does; a scheduler
         # stepped before the first commit is launched still warns, as in stock.
         self._optimizer()._opt_called = True
-        self._commit_in_flight, self._undos = True, []
+        self._commit_in_flight, self._undos, self._collected_skipped = True, [], False
         scheduler = self._scheduler() if self._step is not None else None
         if scheduler is None:
             return
@@ -513,7 +511,9 @@ class _LRBookkeeping:
         """``step()`` steps ``scheduler``, which the caller steps itself once per optimizer step
         right after the ``step()`` that launched a commit (stock skips it for a skipped step): taken
         now, and undone if the commit in flight turns out skipped. With no commit in flight it is
-        only taken."""
+        only taken; with the commit already collected skipped, not taken (stock skips it)."""
+        if self._collected_skipped:
+            return
         why = undoable(scheduler) or self._no_undo.get(id(scheduler))
         if not self._commit_in_flight or why is not None:
             if why is not None:
@@ -530,6 +530,7 @@ class _LRBookkeeping:
     def collected(self, skipped: bool) -> None:
         """The commit launched last was collected: ``skipped`` or applied."""
         undos, self._undos, self._commit_in_flight = self._undos, [], False
+        self._collected_skipped = skipped
         if skipped:
             self._owed = False  # a step still owed is never taken
             optimizer = self._optimizer()

@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
 
 class PhaseKind(str, enum.Enum):
     BOOTSTRAP = "bootstrap"  # first phase: nothing in flight yet
+    SYNC = "sync"  # a step of the synchronous warm-up (acco.sync_warmup_steps): A micro-batches at θ_t,
+    # then one commit round waited for at once; nothing is in flight between two phases
     ESTIMATE = "estimate"  # an estimate round is in flight; the model is at θ_t
     COMMIT = "commit"  # a commit round is in flight; the model is at θ̃_{t+1} (acco) or θ_{k-1} (dpu)
 
@@ -57,6 +60,7 @@ class DynamicPhases:
 
 
 SHARE_BAND = 0.1  # shares change only when the new ones shorten the predicted phase by more than this
+SHARE_WINDOW = 3  # shares follow each rank's median rate over this many measured phases
 
 
 def share_by_speed(total: int, seconds_per_micro_batch: Sequence[float], minimum: int = 1,
@@ -118,23 +122,64 @@ def _largest_remainder(total: int, speeds: Sequence[float], minimum: int) -> Tup
     return tuple(shares)
 
 
+def typical_rates(measured: Sequence[Sequence[float]], window: int) -> Tuple[float, ...]:
+    """Every rank's seconds per micro-batch over the last ``window`` measured phases (``measured``:
+    one vector per phase, oldest first, as the counts tables carried them): its median, or NaN
+    (unknown) until ``window`` of them are known (finite and > 0). A pure function of its
+    arguments: every rank computes the same rates from the same tables.
+
+    One slow phase in ``window`` (a data-loader stall, a garbage collection, a noisy neighbour on
+    the host) does not move the median; a slowdown lasting most of the window does. Noise on ranks
+    of equal speed therefore leaves the shares equal, i.e. fixed mode."""
+    if not measured:
+        return ()
+    out = []
+    for r in range(len(measured[-1])):
+        known = sorted(v[r] for v in measured[-window:] if math.isfinite(v[r]) and v[r] > 0)
+        out.append(statistics.median(known) if len(known) >= window else math.nan)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class SharedPhases:
     """All ranks together run fixed mode's ``micro_batches`` × ranks per phase, shared by measured
-    speed: this rank's phase ends after ``shares[rank]`` micro-batches (:func:`share_by_speed`).
-    A value: the schedule replaces it with :meth:`reshare`'s at each phase end."""
+    speed: this rank's phase ends after ``shares[rank]`` micro-batches (:func:`share_by_speed` of
+    the :func:`typical_rates` over the last ``window`` measured phases). A value: the schedule
+    replaces it with :meth:`reshare`'s at each phase end.
+
+    ``aligned``: every phase so far had equal shares, so every rank ended each of them at the same
+    micro-batch count, as in fixed mode. The schedule then runs exactly fixed mode (drains need no
+    agreement protocol, see drains.py). Once one phase had unequal shares the ranks' phase ends
+    fall at different micro-batch counts for good (equal shares later keep the offset), so it
+    stays False. Every rank computes the shares from the same table: so is ``aligned``."""
     micro_batches: int  # fixed mode's phase length per rank (the equal share)
     band: float = SHARE_BAND
+    window: int = SHARE_WINDOW
     rank: int = 0
     shares: Tuple[int, ...] = ()  # this phase's share of every rank; () before :meth:`for_rank`
+    aligned: bool = True
+    measured: Tuple[Tuple[float, ...], ...] = ()  # the last ``window`` phases' rates (every rank's), oldest first
 
-    def for_rank(self, rank: int, world: int, shares: Optional[Sequence[int]] = None) -> "SharedPhases":
-        """This policy for ``rank`` of ``world``, at ``shares`` (default: equal, fixed mode's)."""
+    def __post_init__(self):
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ValueError(f"window = {self.window!r}: the shares follow the median of at least 1 measured phase")
+
+    def for_rank(self, rank: int, world: int, shares: Optional[Sequence[int]] = None,
+                 aligned: Optional[bool] = None,
+                 measured: Optional[Sequence[Sequence[float]]] = None) -> "SharedPhases":
+        """This policy for ``rank`` of ``world``, at ``shares`` (default: equal, fixed mode's);
+        ``aligned``: whether every phase so far had equal shares (default: this policy's; unequal
+        ``shares`` are never aligned); ``measured``: the rates of the phases before (default: this
+        policy's; a checkpoint's, on a resume)."""
         shares = tuple(int(n) for n in shares) if shares is not None else (self.micro_batches,) * world
         if len(shares) != world or sum(shares) != self.micro_batches * world or min(shares) < 1:
             raise ValueError(f"shares {shares} do not share {self.micro_batches * world} micro-batches among "
                              f"{world} ranks")
-        return dataclasses.replace(self, rank=rank, shares=shares)
+        measured = self.measured if measured is None else tuple(tuple(float(s) for s in v) for v in measured)
+        if any(len(v) != world for v in measured):
+            raise ValueError(f"measured rates {measured} do not have one rate per rank of {world}")
+        new = dataclasses.replace(self, rank=rank, shares=shares, measured=measured[-self.window:])
+        return dataclasses.replace(new, aligned=(self.aligned if aligned is None else bool(aligned)) and new.equal)
 
     @property
     def share(self) -> int:
@@ -144,11 +189,19 @@ class SharedPhases:
         """Why the phase ends after its ``n``-th micro-batch, or None if it goes on."""
         return "shared" if n >= self.share else None
 
+    @property
+    def equal(self) -> bool:
+        """Whether this phase's shares are fixed mode's (every rank ``micro_batches``)."""
+        return all(n == self.micro_batches for n in self.shares)
+
     def reshare(self, seconds_per_micro_batch: Sequence[float]) -> "SharedPhases":
-        """The next phase's policy, from every rank's measured seconds per micro-batch."""
-        shares = share_by_speed(self.micro_batches * len(self.shares), seconds_per_micro_batch,
+        """The next phase's policy, from every rank's seconds per micro-batch measured over one more
+        phase (the newest entry of :attr:`measured`)."""
+        measured = (self.measured + (tuple(float(s) for s in seconds_per_micro_batch),))[-self.window:]
+        shares = share_by_speed(self.micro_batches * len(self.shares), typical_rates(measured, self.window),
                                 current=self.shares, band=self.band)
-        return self if shares == self.shares else dataclasses.replace(self, shares=shares)
+        new = dataclasses.replace(self, shares=shares, measured=measured)
+        return dataclasses.replace(new, aligned=self.aligned and new.equal)
 
 
 @dataclass

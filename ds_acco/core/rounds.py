@@ -34,6 +34,7 @@ from .shard_optimizer import global_norm_sq
 
 if TYPE_CHECKING:
     from .buffers import BufferGroup
+    from .delay_compensation import DelayCompensation
     from .shard_optimizer import ShardOptimizer
 
 
@@ -130,6 +131,7 @@ class RoundContext:
     read_counts_first: bool = False  # dynamic mode: read the counts table before the reduce (drain aborts)
     estimate_lr_scale: float = 1.0  # an estimate round's LR × this (acco.estimate.lr_scale)
     committed_second_moment: bool = False  # an estimate round reuses Adam's committed v
+    delay: Optional["DelayCompensation"] = None  # the commit's delay compensation (acco.estimate.delay_compensation)
     pending_drift: Optional[torch.Tensor] = None  # the last commit's drift sums, on the device, not yet read
 
     def lr_factor(self, kind: "RoundKind", micro_batches: int) -> float:
@@ -245,14 +247,18 @@ def gather(ctx: RoundContext) -> None:
 
 def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, report: Optional[RoundReport],
               loss_scale: float, exchanged: Optional[tuple] = None,
-              settings: Optional[Sequence[dict]] = None) -> RoundResult:
+              settings: Optional[Sequence[dict]] = None, *, sync: bool = False,
+              first_half_weight: Optional[float] = None) -> RoundResult:
     """One round (ACCO.md): mean gradient over all ranks, one optimizer step on the shard --
     discarded for an estimate, kept for a commit -- and the new parameters all-gathered into B.
     ``exchanged``: the table of :func:`exchange_tallies`, when this rank's drain probe already
     exchanged it (its peers' rounds did, see schedule.py); the round then starts at the reduce.
     ``settings``: the param groups' settings (learning rate, ...) captured when the round was
     launched (ShardOptimizer.settings): the step of round t uses step t's learning rate whatever
-    a scheduler does on the compute thread meanwhile (default: the settings when it runs)."""
+    a scheduler does on the compute thread meanwhile (default: the settings when it runs).
+    ``sync``: a commit of the synchronous warm-up (its whole batch at θ_t: no drift metric, no delay
+    compensation). ``first_half_weight``: a commit's first-half weight over all ranks (the estimate
+    round's), for the delay compensation's share (:mod:`.delay_compensation`)."""
     started = time.perf_counter()
     with record_function(f"ACCO::{kind.value}_round"):
         if exchanged is not None:  # the counts are on the host already; the table goes back to the device
@@ -267,9 +273,18 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         if per_rank is not None:
             _check_counts(kind, step, per_rank, reports)
         # The mean's denominator stays on the device: the round reads the host once, below.
-        denom = table[:, 1].sum() * ctx.gas_scale * loss_scale  # G carried ``loss_scale`` when it was packed
+        weight = table[:, 1].sum()
+        denom = weight * ctx.gas_scale * loss_scale  # G carried ``loss_scale`` when it was packed
         with record_function("ACCO::reduce"):
             grads = reduce_mean_grads(ctx, kind, denom)
+        delay = None if sync else ctx.delay
+        if delay is not None:  # before the norm: the commit clips the compensated mean
+            with record_function("ACCO::delay_compensation"):
+                if kind is RoundKind.ESTIMATE:
+                    delay.weigh(grads)
+                elif first_half_weight is not None:
+                    delay.compensate(grads, ctx.shard_optimizer.optimizer, settings,
+                                     (delay.lam * first_half_weight) / weight, ctx.chunk_elems)
         flat_grads = [t for gs in grads for t in gs]
         counted = [p for g, gs in zip(ctx.groups, grads) for p in g.norm_pieces(gs)]
         device = ctx.groups[0].comm.device
@@ -313,6 +328,8 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     f"round '{kind.value} {step}': the global mean gradient is not finite (norm {grad_norm}); "
                     "set acco.nonfinite to 'skip' to skip such updates instead")
             write_shards(ctx, kind)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
+            if delay is not None and kind is RoundKind.ESTIMATE:
+                delay.clear()  # no compensation from a non-finite first half
         else:
             if ctx.clip_grad > 0:
                 clip_(flat_grads, grad_norm, ctx.clip_grad)
@@ -320,7 +337,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
             lr_factor = ctx.lr_factor(kind, sum(t.micro_batches for t in per_rank))
             with record_function(f"ACCO::{kind.value}_step"):
                 if kind is RoundKind.COMMIT:
-                    before = _keep_shards_for_drift(ctx)
+                    before = None if sync else _keep_shards_for_drift(ctx)
                     ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
                         ctx.pending_drift = _drift_sums(ctx, before)
@@ -331,6 +348,9 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     ctx.shard_optimizer.estimate_into(param_grads, outs, lr_scale=lr_factor, settings=settings,
                                                       committed_second_moment=ctx.committed_second_moment)
         del grads, flat_grads
+        if delay is not None and kind is RoundKind.COMMIT:
+            with record_function("ACCO::delay_compensation"):
+                delay.refresh(ctx.chunk_elems)  # D ← θ̃_{t+1} − θ_{t+1}, the next step's lead
         with record_function("ACCO::all_gather"):
             gather(ctx)
     lr = settings[0].get("lr") if settings else None

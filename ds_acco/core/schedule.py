@@ -8,6 +8,11 @@ Phases and rounds (mode 'acco'):
   swap      -- model ← θ_{t+1}; commit callback (LR scheduler); B ← G (Σg̃_{t+1}); round E_{t+1}
 Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G ← 0, round k.
 
+The synchronous warm-up (``acco.sync_warmup_steps`` = K, mode 'acco', fixed accumulation) first runs
+stock's schedule with ACCO's buffers: K phases of kind SYNC, each A micro-batches at θ_t into G, then
+B ← G, G ← 0, one commit round waited for at once, model ← θ_{t+1} before the next micro-batch (no
+overlap: the weights are stock ZeRO-1's). ACCO then bootstraps from θ_K (θ̃_K = θ_K).
+
 G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a round is
 :func:`.rounds.run_round` on the lane. Dynamic mode's drains agree across ranks: :mod:`.drains`;
 the in-flight state of checkpoints: :mod:`.schedule_state`; θ put into the live weights (evaluation,
@@ -16,8 +21,13 @@ exports): :mod:`.committed`.
 Accumulation 'shared' (:class:`.phases.SharedPhases`): each rank measures its compute seconds per
 micro-batch over a phase (wall time minus the time it was blocked on rounds and drains) and sends
 it with the round it launches at that phase's end. At its n-th phase end every rank collects the
-same round n-1, so every rank computes the next phase's shares from the same table: the shares
-agree with no collective of their own. (The bootstrap phase, a warm-up, is not measured.)
+same round n-1, so every rank computes the next phase's shares from the same table (and the same
+tables before it: each rank's median over the last few measured phases, :func:`.phases.typical_rates`,
+so that one slow phase does not move them): the shares agree with no collective of their own.
+(The bootstrap phase, a warm-up, is not measured.) While
+every phase has had equal shares (``SharedPhases.aligned``) the schedule is fixed mode, per
+micro-batch, per round and per drain: the speeds ride in the counts table every round sends
+anyway, and the only extra work is the share rule at each phase end (a few floats).
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ from ..comm.lane import CommLane
 from . import chunking
 from .buffers import BufferGroup
 from .committed import CommittedWeights
+from .delay_compensation import DelayCompensation
 from .drains import DrainAgreement
 from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases, Tally
 from .report import RoundReport
@@ -68,6 +79,10 @@ class ScheduleOptions:
         if self.lr_power and self.nominal_phase < 1:
             raise ValueError(f"lr_power {self.lr_power} needs the fixed-mode phase length (nominal_phase >= 1), "
                              f"got {self.nominal_phase}")
+        if self.sync_warmup_steps and (self.mode != "acco" or not isinstance(self.phases, FixedPhases)):
+            raise ValueError(f"sync_warmup_steps {self.sync_warmup_steps} needs mode 'acco' with fixed phases")
+        if self.delay_compensation and self.mode != "acco":
+            raise ValueError(f"delay_compensation {self.delay_compensation} needs mode 'acco' (an estimate round)")
 
     @classmethod
     def from_config(cls, acco, gradient_accumulation_steps: int, clip_grad: float = 0.0) -> "ScheduleOptions":
@@ -132,8 +147,12 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
             chunk_elems=options.chunk_elems, lr_power=options.lr_power,
             nominal_phase_micro_batches=options.nominal_phase * world,
             commit_phases=2 if options.mode == "acco" else 1,
-            read_counts_first=not isinstance(options.phases, FixedPhases),
-            estimate_lr_scale=options.estimate_lr_scale, committed_second_moment=options.committed_second_moment)
+            read_counts_first=self.agrees_drains,  # set again at each launch (_launch)
+            estimate_lr_scale=options.estimate_lr_scale, committed_second_moment=options.committed_second_moment,
+            delay=DelayCompensation(self.groups, options.delay_compensation) if options.delay_compensation else None)
+        # A step of the synchronous warm-up is stock's: the A micro-batches of two ACCO phases.
+        self.sync_phases = (FixedPhases(2 * self.phases.micro_batches) if isinstance(self.phases, FixedPhases)
+                            and self.mode == "acco" else None)
         # The rounds' window: the user's, or chosen for the device and the shard (chunking.py).
         device = self.groups[0].comm.device
         self.context.chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in self.groups),
@@ -145,7 +164,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         self.after_launch = after_launch
         self.loss_scale = loss_scale
         self.accumulated_loss_scale = self._current_loss_scale()  # the scale G's contents carry
-        self.phase = PhaseKind.BOOTSTRAP
+        self.phase = self._opening_phase(0)
         self.step_index = 0  # t: the optimizer step whose data the compute lane is producing
         self.committed_steps = 0
         self.phase_tally = Tally()  # the current phase
@@ -200,7 +219,8 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         if self.agrees_drains and self._peer_draining():
             return None
         done = (lambda: True) if inflight is None else inflight.handle.done
-        return self.phases.ends(self.phase_tally.micro_batches + 1, done)
+        policy = self.sync_phases if self.phase is PhaseKind.SYNC else self.phases
+        return policy.ends(self.phase_tally.micro_batches + 1, done)
 
     def before_backward(self) -> None:
         """Before each backward pass: a loss scale set from outside (e.g. ``override_loss_scale``)
@@ -231,19 +251,27 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
                     self.step_index += 1
                 self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged)
                 self.phase = PhaseKind.COMMIT
+            elif self.phase is PhaseKind.SYNC:  # stock's step: waited for here, nothing overlaps
+                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged, sync=True)
+                wait_s = self._collect_into_live()  # model ← θ_{t+1} before the next micro-batch
+                self.step_index += 1
+                self.phase = self._opening_phase(self.step_index)
             elif self.phase is PhaseKind.BOOTSTRAP:
                 self._launch(RoundKind.ESTIMATE, clear_grads=False, exchanged=exchanged)
                 self.phase = PhaseKind.ESTIMATE
             elif self.phase is PhaseKind.ESTIMATE:
+                estimate = self._inflight
                 wait_s = self._collect_into_live()  # model ← θ̃_{t+1}
-                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged)  # the full batch of step t
+                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged,  # the full batch of step t
+                             first_half_weight=estimate.result.total.weight)
                 self.phase = PhaseKind.COMMIT
             else:
                 wait_s = self._collect_into_live()  # model ← θ_{t+1}
                 self.step_index += 1
                 self._launch(RoundKind.ESTIMATE, clear_grads=False, exchanged=exchanged)  # Σg̃_{t+1}, kept in G
                 self.phase = PhaseKind.ESTIMATE
-            data_step = step + 1 if ended is PhaseKind.COMMIT else (step if ended is PhaseKind.ESTIMATE else 0)
+            data_step = step + 1 if ended is PhaseKind.COMMIT else (
+                step if ended in (PhaseKind.ESTIMATE, PhaseKind.SYNC) else 0)
             self.history.append(PhaseRecord(ended, data_step, self.phase_tally, wait_s, time.perf_counter(),
                                             reason or "forced"))
             self.phase_tally = Tally()
@@ -281,6 +309,11 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         self._inflight = None
 
     # -- internals ------------------------------------------------------------------------
+    def _opening_phase(self, committed_steps: int) -> PhaseKind:
+        """The phase a run starts in after ``committed_steps`` optimizer steps: a step of the
+        synchronous warm-up while fewer than ``sync_warmup_steps`` are done, else ACCO's bootstrap."""
+        return PhaseKind.SYNC if committed_steps < self.options.sync_warmup_steps else PhaseKind.BOOTSTRAP
+
     def _current_loss_scale(self) -> float:
         scale = 1.0 if self.loss_scale is None else float(self.loss_scale())
         if not (scale > 0 and math.isfinite(scale)):
@@ -326,7 +359,10 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
             started, off = clock
             self.seconds_per_micro_batch = (time.perf_counter() - started - (self._off_clock_s - off)) / n
 
-    def _launch(self, kind: RoundKind, clear_grads: bool, exchanged: Optional[tuple] = None) -> None:
+    def _launch(self, kind: RoundKind, clear_grads: bool, exchanged: Optional[tuple] = None, sync: bool = False,
+                first_half_weight: Optional[float] = None) -> None:
+        """Pack G into B and submit the round. ``sync``: a step of the synchronous warm-up;
+        ``first_half_weight``: a commit's first-half weight, all ranks (the estimate round's)."""
         self._sync_accumulated_loss_scale()  # a scale set after the last backward: G follows it into B
         scale = self.accumulated_loss_scale
         for g in self.groups:
@@ -337,6 +373,10 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         step = self.step_index
         report = self._report() if exchanged is None else None
         ctx = self.context
+        # Only where drains run the agreement protocol can a peer fill this round's slot with a drain
+        # abort (drains.py); shared phases leave fixed mode's path at a phase end. The lane is idle
+        # here (the previous round was collected), so no round reads the field while it changes.
+        ctx.read_counts_first = self.agrees_drains
         if self.before_launch is not None:
             self.before_launch()
         # The round's step uses the settings of now: a scheduler stepped meanwhile on this thread
@@ -344,7 +384,8 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         # rounds of step t use step t's learning rate).
         settings = ctx.shard_optimizer.settings()
         handle = self.lane.submit(f"{kind.value} {step}",
-                                  lambda: run_round(ctx, kind, step, tally, report, scale, exchanged, settings),
+                                  lambda: run_round(ctx, kind, step, tally, report, scale, exchanged, settings,
+                                                    sync=sync, first_half_weight=first_half_weight),
                                   keep=settings)  # a tensor setting (cloned here) lives until the round is waited for
         self._inflight = _InFlight(handle, kind, step)
         if self.after_launch is not None:

@@ -49,7 +49,11 @@ class ScheduleState:
             "drains": self.drains,
             "last_commit_grad_norm": self.last_commit_grad_norm,
             "shares": list(self.phases.shares) if isinstance(self.phases, SharedPhases) else None,
+            "shares_aligned": self.phases.aligned if isinstance(self.phases, SharedPhases) else None,
+            "share_rates": ([list(v) for v in self.phases.measured] if isinstance(self.phases, SharedPhases)
+                            else None),
             "groups": [g.export_state(self._swapped) for g in self.groups],
+            "delay": None if self.context.delay is None else self.context.delay.state(),  # D (delay compensation)
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
                 "result": inflight.result.to_dict()},
@@ -64,6 +68,9 @@ class ScheduleState:
             raise ValueError(f"ACCO in-flight state does not fit this run ({', '.join(mismatch)} differ)")
         info = state["inflight"]
         result = None if info is None else RoundResult.from_dict(info["result"])  # may refuse: before any change
+        if PhaseKind(state["phase"]) is PhaseKind.SYNC and self.sync_phases is None:
+            raise ValueError("ACCO in-flight state saved during the synchronous warm-up (acco.sync_warmup_steps) does "
+                             "not fit this run (its accumulation is not fixed)")
         self._swapped = self._held = False  # a hold ends here: the import below overwrites live weights and B
         ctx = self.context
         # The shards are all-gathered on the lane (the rounds' group; drained, so it is free):
@@ -73,6 +80,8 @@ class ScheduleState:
                                                 ctx.chunk_elems)))
         for g, saved in zip(self.groups, state["groups"]):
             g.import_state(saved, gather)
+        if ctx.delay is not None:
+            ctx.delay.load(state.get("delay"))
         self.phase = PhaseKind(state["phase"])
         self.step_index = state["step_index"]
         self.committed_steps = state["committed_steps"]
@@ -86,7 +95,11 @@ class ScheduleState:
         self._decision = None
         self.context.pending_drift = None  # a drift measured before the load belongs to no step after it
         if isinstance(self.phases, SharedPhases) and state.get("shares"):  # none: saved in another mode
-            self.phases = self.phases.for_rank(self.rank, self.world, state["shares"])
+            # Saved before 'shares_aligned' existed: its shares may have differed earlier, which
+            # leaves the ranks' phase ends apart, so drains keep the agreement protocol.
+            self.phases = self.phases.for_rank(self.rank, self.world, state["shares"],
+                                               aligned=state.get("shares_aligned") or False,
+                                               measured=state.get("share_rates") or ())
         self._phase_clock = None  # the phase in progress began before the save: not measured
         if info is None:
             self._inflight = None
@@ -98,12 +111,13 @@ class ScheduleState:
 
     def reset(self, committed_steps: int) -> None:
         """Forget everything in flight and start a bootstrap phase at the current weights, as after
-        ``committed_steps`` optimizer steps (e.g. after loading a stock ZeRO-1 checkpoint)."""
+        ``committed_steps`` optimizer steps (e.g. after loading a stock ZeRO-1 checkpoint); a step of
+        the synchronous warm-up instead while ``committed_steps`` is below ``sync_warmup_steps``."""
         self.drain()
         self._swapped = self._held = False  # a hold ends here: the live weights as they are now (θ if held)
         self._inflight = None
         self.step_index = self.committed_steps = committed_steps
-        self.phase = PhaseKind.BOOTSTRAP
+        self.phase = self._opening_phase(committed_steps)  # the synchronous warm-up goes on to its end
         self.phase_tally = Tally()
         self.buffer_tally = Tally()
         self._decision = None
@@ -112,3 +126,5 @@ class ScheduleState:
         self.accumulated_loss_scale = self._current_loss_scale()
         for g in self.groups:
             g.reset()
+        if self.context.delay is not None:
+            self.context.delay.clear()  # θ̃ = θ: no lead

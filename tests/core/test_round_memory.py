@@ -6,6 +6,8 @@ chunk-sized, with the drift metric on, in every mode. Not counted: the wrapped o
 step (stock ZeRO-1 runs it too). Counted and allowed: when gradients travel narrower than fp32,
 one fp32 copy of the shard's gradient per round -- what stock ZeRO-1 makes for its step.
 """
+import collections
+
 import pytest
 
 import memory_workers
@@ -23,6 +25,12 @@ CASES = {
     "acco-bf16": {"acco": {"enabled": True, "mode": "acco"}, "extra": {"bf16": {"enabled": True}}},
     # no functional step: the estimate snapshots the shard and its state (the documented cost)
     "acco-adagrad": {"acco": {"enabled": True, "mode": "acco"}, "optimizer": "adagrad"},
+    # the estimate variants: delay compensation (D, one fp32 shard, allocated with the engine; its rounds work
+    # in chunks, also with bf16 weights over fp32 masters) and the synchronous warm-up (2 of 3 steps)
+    "acco-adamw-dc": {"acco": {"enabled": True, "mode": "acco", "estimate": {"delay_compensation": 1e3}}},
+    "acco-bf16-fp32-accum-dc": {"acco": {"enabled": True, "mode": "acco", "estimate": {"delay_compensation": 1e3}},
+                                "extra": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}},
+    "acco-adamw-warmup": {"acco": {"enabled": True, "mode": "acco", "sync_warmup_steps": 2}},
 }
 
 
@@ -32,7 +40,8 @@ def runs():
     return dict(zip(CASES, out))
 
 
-@pytest.mark.parametrize("name", ["acco-adamw", "acco-sgd", "dpu-adamw", "dynamic-adamw", "acco-bf16-fp32-accum"])
+@pytest.mark.parametrize("name", ["acco-adamw", "acco-sgd", "dpu-adamw", "dynamic-adamw", "acco-bf16-fp32-accum",
+                                  "acco-adamw-dc", "acco-bf16-fp32-accum-dc", "acco-adamw-warmup"])
 def test_rounds_allocate_only_chunks(runs, name):
     run = runs[name]
     assert run["shard"] >= 8 * BUDGET  # a shard-sized temporary could not hide under the budget
@@ -41,6 +50,18 @@ def test_rounds_allocate_only_chunks(runs, name):
         print(name, k, end["largest"], end["total_bytes"])
         assert end["largest"] <= BUDGET, f"phase end {k} allocated {end['largest']} elements:\n{end['report']}"
         assert end["total_bytes"] <= 16 * BUDGET * 8, end["report"]
+
+
+@pytest.mark.parametrize("dc,plain", [("acco-adamw-dc", "acco-adamw"),
+                                      ("acco-bf16-fp32-accum-dc", "acco-bf16-fp32-accum")])
+def test_delay_compensation_holds_one_fp32_shard(runs, dc, plain):
+    """What the engine allocates with delay compensation: exactly one fp32 tensor of this rank's shard
+    more than without (D: 4 bytes per shard element), nothing else of 1/8 of a shard or more (smaller:
+    the pickled config that the ranks compare at start-up is a few bytes longer)."""
+    floor = runs[dc]["shard"] // 8
+    large = lambda run: collections.Counter(a for a in runs[run]["built"] if a[0] >= floor)  # noqa: E731
+    assert large(dc) - large(plain) == {(runs[dc]["shard"], "torch.float32"): 1}
+    assert not large(plain) - large(dc)
 
 
 def test_narrow_gradients_cost_one_fp32_gradient_copy(runs):

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from ds_acco.core.phases import SHARE_BAND, SharedPhases, share_by_speed
+from ds_acco.core.phases import SHARE_BAND, SHARE_WINDOW, SharedPhases, share_by_speed, typical_rates
 
 NAN = math.nan
 
@@ -127,13 +127,84 @@ def test_bad_arguments_are_refused():
 
 
 def test_the_policy_ends_a_phase_at_this_ranks_share():
-    p = SharedPhases(2).for_rank(1, 2)
+    p = SharedPhases(2, window=1).for_rank(1, 2)
     assert p.shares == (2, 2) and p.share == 2
     assert [p.ends(n, lambda: False) for n in (1, 2)] == [None, "shared"]
     slow = p.reshare((0.01, 0.03))
     assert slow.shares == (3, 1) and slow.rank == 1
     assert slow.ends(1, lambda: False) == "shared"
     assert slow.for_rank(0, 2, slow.shares).ends(2, lambda: True) is None  # the round's state plays no part
-    assert slow.reshare((0.01, NAN)) is slow
+    assert slow.reshare((0.01, NAN)).shares == (3, 1)  # an unknown rate keeps the shares
     with pytest.raises(ValueError, match="do not share 4 micro-batches"):
         p.for_rank(0, 2, (3, 2))
+    with pytest.raises(ValueError, match="window = 0"):
+        SharedPhases(2, window=0)
+
+
+def test_typical_rates_are_the_median_of_a_full_window():
+    assert typical_rates([], 3) == ()
+    assert typical_rates([(1.0, 2.0)], 1) == (1.0, 2.0)
+    assert all(math.isnan(x) for x in typical_rates([(1.0, 2.0), (1.0, 2.0)], 3))  # not yet 3 phases
+    assert typical_rates([(1.0, 2.0), (9.0, 2.1), (1.2, 1.9)], 3) == (1.2, 2.0)  # one outlier: no effect
+    assert typical_rates([(5.0, 1.0), (1.0, 2.0), (9.0, 2.1), (1.2, 1.9)], 3) == (1.2, 2.0)  # the last 3 only
+    got = typical_rates([(1.0, NAN), (1.0, 2.0), (1.0, 2.0)], 3)  # an unknown rate in the window: unknown
+    assert got[0] == 1.0 and math.isnan(got[1])
+    assert math.isnan(typical_rates([(1.0, 0.0), (1.0, 2.0), (1.0, 2.0)], 3)[1])
+
+
+def test_one_slow_phase_in_the_window_leaves_equal_shares_a_lasting_one_moves_them():
+    """Equal ranks measured with outliers (one phase 3x slower on one rank, a stall) keep fixed mode's
+    shares, so they stay aligned; a slowdown in 2 of the last 3 phases moves them (one phase later
+    than a window of 1 would)."""
+    p = SharedPhases(4).for_rank(0, 2)
+    rng = random.Random(4)
+    for k in range(200):
+        seconds = [0.05 * rng.uniform(0.95, 1.05) for _ in range(2)]
+        if k % 3 == 0:
+            seconds[rng.randrange(2)] *= 3.0  # one outlier in every window
+        p = p.reshare(seconds)
+        assert p.shares == (4, 4) and p.aligned, (k, p.measured)
+    assert len(p.measured) == 3
+    for _ in range(3):
+        p = p.reshare((0.05, 0.05))
+    p = p.reshare((0.05, 0.15))
+    assert p.shares == (4, 4)  # one slow phase: not yet
+    p = p.reshare((0.05, 0.15))
+    assert p.shares == (6, 2) and not p.aligned  # two of three: moved
+    q = SharedPhases(4, window=1).for_rank(0, 2).reshare((0.05, 0.15))
+    assert q.shares == (6, 2)  # a window of 1: at once (the rule before the window)
+
+
+def test_aligned_holds_while_every_phase_had_equal_shares_and_never_comes_back():
+    """``aligned`` (the schedule then runs fixed mode's drains, drains.py): equal shares through any
+    number of reshares keep it; the first unequal shares drop it; equal shares later do not restore
+    it (the ranks' phase ends stay apart by what the unequal phases gave them)."""
+    p = SharedPhases(4, window=1).for_rank(0, 2)
+    assert p.aligned and p.equal
+    for seconds in ((0.05, 0.052), (NAN, NAN), (0.05, NAN), (0.051, 0.05)):  # noise, unknown rates
+        p = p.reshare(seconds)
+        assert p.shares == (4, 4) and p.aligned, seconds
+    slow = p.reshare((0.01, 0.03))
+    assert slow.shares == (6, 2) and not slow.aligned and not slow.equal
+    back = slow.reshare((0.01, 0.01))
+    assert back.shares == (4, 4) and back.equal and not back.aligned
+    assert not back.reshare((0.01, 0.01)).aligned
+
+
+def test_for_rank_restores_aligned_and_never_with_unequal_shares():
+    assert SHARE_WINDOW == 3
+    p = SharedPhases(2)
+    assert p.for_rank(1, 2).aligned
+    assert not p.for_rank(1, 2, aligned=False).aligned
+    assert p.for_rank(1, 2, (2, 2), aligned=True).aligned
+    assert not p.for_rank(1, 2, (3, 1), aligned=True).aligned  # an inconsistent saved flag cannot hold
+    assert not p.for_rank(0, 2, aligned=False).for_rank(0, 2).aligned  # kept unless given
+
+
+def test_for_rank_restores_the_measured_window():
+    p = SharedPhases(2).for_rank(0, 2, measured=[(0.01, 0.03)] * 4)
+    assert p.measured == ((0.01, 0.03),) * 3  # the window only
+    assert p.reshare((0.01, 0.03)).shares == (3, 1)  # a resume goes on from the saved rates
+    assert p.for_rank(1, 2).measured == p.measured  # kept unless given
+    with pytest.raises(ValueError, match="one rate per rank of 2"):
+        SharedPhases(2).for_rank(0, 2, measured=[(0.01,)])

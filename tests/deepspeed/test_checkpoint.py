@@ -32,14 +32,57 @@ def saved(request, tmp_path_factory):
 
 def test_resume_in_new_processes_is_bit_identical(saved):
     name, _, _, full, resumed = saved
+    _assert_resumed_exactly(name, full, resumed, SAVE_AT)
+
+
+def _assert_resumed_exactly(name, full, resumed, save_at):
     for rank in (0, 1):
-        for i in SAVE_AT:
+        for i in save_at:
             got = resumed[rank][i]
             assert got["optimizer"] == "AccoZeroOptimizer"
             assert got["losses"] == full[rank]["losses"][i + 1:], f"{name}: losses differ after resuming at {i}"
             for n, t in full[rank]["final"].items():
                 assert torch.equal(got["final"][n], t), f"{name}: {n} differs after resuming at {i}"
             assert got["global_steps"] == full[rank]["global_steps"]
+
+
+# The estimate variants with in-flight state of their own (docs/estimate.md), saved where it matters.
+VARIANTS = {
+    # K = 3 warm-up steps (micro-batches 0-11): saved right after a warm-up step's commit (3), inside a
+    # step (6), right at the warm-up's end (11: ACCO's bootstrap next), inside that bootstrap (12) and later
+    "warmup": (dict(CASES["acco"], acco={"enabled": True, "mode": "acco", "sync_warmup_steps": 3}),
+               (3, 6, 11, 12, 17)),
+    # delay compensation: D (θ̃ − θ after a commit, × ḡ̃² after an estimate) in flight at every save
+    "delay-compensation": (dict(CASES["acco"], acco={"enabled": True, "mode": "acco",
+                                                     "estimate": {"delay_compensation": 1e3}}), SAVE_AT),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def saved_variant(request, tmp_path_factory):
+    case, save_at = VARIANTS[request.param]
+    save_dir = str(tmp_path_factory.mktemp(f"ckpt-{request.param}"))
+    full = run_ranks(lifecycle_workers.checkpoint_save_run, case=case, save_dir=save_dir, save_at=save_at, total=TOTAL)
+    resumed = run_ranks(lifecycle_workers.checkpoint_resume_runs, case=case, save_dir=save_dir, save_at=save_at,
+                        total=TOTAL)
+    return request.param, save_at, save_dir, full, resumed
+
+
+def test_variant_resumes_bit_identically(saved_variant):
+    """Saved in the synchronous warm-up, at its end, and with delay compensation in flight: a new
+    process resumes exactly (D travels with ACCO's in-flight state, this rank's shard)."""
+    from ds_acco.deepspeed.optimizer import ACCO_STATE_KEY
+    name, save_at, save_dir, full, resumed = saved_variant
+    _assert_resumed_exactly(name, full, resumed, save_at)
+    states = {i: torch.load(os.path.join(save_dir, f"mb{i}", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                            weights_only=False)["optimizer_state_dict"][ACCO_STATE_KEY] for i in save_at}
+    if name == "warmup":
+        assert [states[i]["phase"] for i in save_at] == ["sync", "sync", "bootstrap", "bootstrap", "estimate"]
+        assert all(states[i]["delay"] is None for i in save_at)
+    else:
+        shard = sum(t.numel() for g in states[save_at[0]]["groups"] for t in g["live_shard"])
+        assert all(states[i]["delay"].numel() == shard for i in save_at)
+        assert sum(bool(states[i]["delay"].abs().sum() > 0) for i in save_at) >= 3  # the resumes needed it
 
 
 def test_checkpoint_adds_only_g_and_this_ranks_shards(saved):

@@ -1,7 +1,10 @@
 """The estimate variants of the ``"acco"`` block (docs/estimate.md) on 2 gloo ranks against the
 independent float64 reference (tests/reference.py), each compared with the paper's schedule too:
 matching the variant's recurrence must not also match the paper's (the variant really changes the
-trajectory), and ``"estimate": "paper"`` is today's run bit for bit."""
+trajectory), and ``"estimate": "paper"`` is today's run bit for bit. The variants: the estimate's
+learning rate × c (``lr_scale``), Adam's committed second moment (``second_moment``), delay
+compensation of the first half in the commit (``delay_compensation`` λ) and the synchronous warm-up
+(``sync_warmup_steps`` K: the first K steps are stock ZeRO-1's)."""
 import pytest
 import torch
 
@@ -12,6 +15,9 @@ from timeouts import scaled
 import workers
 
 STEPS, GAS = 4, 4
+# λ: large enough that the compensation moves θ_T by ~2.6% (relative) from the paper's on TinyNet
+LAM = 1e3
+K = 2  # warm-up steps of STEPS
 CASES = [
     {"name": "lr-scale-2-adamw", "estimate": {"lr_scale": 2.0}, "ref": {"lr_scale": 2.0}, "optimizer": "adamw"},
     {"name": "lr-scale-1.5-sgd", "estimate": {"lr_scale": 1.5}, "ref": {"lr_scale": 1.5}, "optimizer": "sgd"},
@@ -21,6 +27,29 @@ CASES = [
      "optimizer": "adamw"},
     {"name": "committed-v-adam-fused-lr2", "estimate": {"second_moment": "committed", "lr_scale": 2.0},
      "ref": {"committed_second_moment": True, "lr_scale": 2.0}, "optimizer": "adamw-fused", "ref_optimizer": "adamw"},
+    {"name": "dc-adamw", "estimate": {"delay_compensation": LAM}, "ref": {"delay_compensation": LAM},
+     "optimizer": "adamw"},
+    {"name": "dc-adamw-clip", "estimate": {"delay_compensation": LAM}, "ref": {"delay_compensation": LAM},
+     "optimizer": "adamw", "clip": 0.05},
+    {"name": "dc-adamw-fused-lr2", "estimate": {"delay_compensation": LAM, "lr_scale": 2.0},
+     "ref": {"delay_compensation": LAM, "lr_scale": 2.0}, "optimizer": "adamw-fused", "ref_optimizer": "adamw"},
+    {"name": "dc-adam-committed-v", "estimate": {"delay_compensation": 10.0, "second_moment": "committed"},
+     "ref": {"delay_compensation": 10.0, "committed_second_moment": True}, "optimizer": "adam"},
+    # a NaN in step 1's first half (its estimate and commit are skipped) and an inf in step 2's second
+    # half (its commit only): D after a skipped estimate and after a skipped commit
+    {"name": "dc-adamw-nonfinite", "estimate": {"delay_compensation": LAM}, "optimizer": "adamw", "steps": 6,
+     "ref": {"delay_compensation": LAM, "skip_estimate": (1,), "skip_commit": (1, 2)},
+     "paper": {"skip_estimate": (1,), "skip_commit": (1, 2)}, "nan_at": [(1, 4)], "inf_grad_at": [(0, 11)]},
+    {"name": "warmup-adamw", "warmup": K, "ref": {"sync_warmup_steps": K}, "optimizer": "adamw",
+     "probe_at": (3, 7, 9), "metrics": {"estimate_drift": True}},
+    {"name": "warmup-sgd-lr1.5", "estimate": {"lr_scale": 1.5}, "warmup": 1,
+     "ref": {"sync_warmup_steps": 1, "lr_scale": 1.5}, "optimizer": "sgd"},
+    {"name": "warmup-dc-adamw-lr2", "estimate": {"delay_compensation": LAM, "lr_scale": 2.0}, "warmup": K,
+     "ref": {"sync_warmup_steps": K, "delay_compensation": LAM, "lr_scale": 2.0}, "optimizer": "adamw"},
+    # every step in the warm-up: stock ZeRO-1's schedule, next to the real stock engine below
+    {"name": "warmup-all", "warmup": STEPS, "ref": {"sync_warmup_steps": STEPS}, "optimizer": "adamw",
+     "probe_at": (3, 7)},
+    {"name": "stock", "acco": None, "ref": {}, "optimizer": "adamw", "probe_at": (3, 7)},
     {"name": "paper", "estimate": "paper", "ref": {}, "optimizer": "adamw"},
     {"name": "default", "estimate": None, "ref": {}, "optimizer": "adamw"},
 ]
@@ -28,28 +57,34 @@ CASES = [
 
 def _case(c):
     acco = {"enabled": True, "mode": "acco"}
-    if c["estimate"] is not None:
+    if c.get("estimate") is not None:
         acco["estimate"] = c["estimate"]
-    return {"optimizer": c["optimizer"], "schedule": "inv", "steps": STEPS, "gas": GAS, "acco": acco,
-            "clip": c.get("clip", 0.0)}
+    if c.get("warmup"):
+        acco["sync_warmup_steps"] = c["warmup"]
+    if c.get("metrics"):
+        acco["metrics"] = c["metrics"]
+    out = {"optimizer": c["optimizer"], "schedule": "inv", "steps": c.get("steps", STEPS), "gas": GAS,
+           "acco": None if "acco" in c else acco, "clip": c.get("clip", 0.0)}
+    out.update({k: c[k] for k in ("nan_at", "inf_grad_at", "probe_at") if k in c})
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs():
-    results = run_ranks(workers.train_cases, cases=[_case(c) for c in CASES], timeout=scaled(200))
+    results = run_ranks(workers.train_cases, cases=[_case(c) for c in CASES], timeout=scaled(400))
     return {c["name"]: (results[0][i], results[1][i]) for i, c in enumerate(CASES)}
 
 
-def _reference(c, **variant):
-    return reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=STEPS, mode="acco",
+def _reference(c, steps=None, mode="acco", **variant):
+    return reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=steps or c.get("steps", STEPS), mode=mode,
                          make_optimizer=make_optimizer(c.get("ref_optimizer", c["optimizer"])),
                          make_scheduler=make_scheduler("inv"), clip=c.get("clip", 0.0), **variant)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c["ref"]], ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", [c for c in CASES if c["ref"] and "acco" not in c], ids=lambda c: c["name"])
 def test_variant_matches_its_recurrence_and_not_the_papers(runs, case):
     r0, r1 = runs[case["name"]]
-    want, paper = _reference(case, **case["ref"]), _reference(case)
+    want, paper = _reference(case, **case["ref"]), _reference(case, **case.get("paper", {}))
     err, apart = rel_distance(r0["final"], want), rel_distance(paper, want)
     print(f"{case['name']}: relative error {err:.2e}; the paper's schedule is {apart:.2e} away")
     assert err < 1e-5
@@ -66,11 +101,51 @@ def test_the_paper_key_is_the_papers_schedule_bit_for_bit(runs):
     assert paper["losses"] == plain["losses"]
 
 
+def test_delay_compensation_skips_as_the_reference_does(runs):
+    """Which rounds the non-finite case skipped (the reference above takes the same skips)."""
+    skipped = {k for k, s in runs["dc-adamw-nonfinite"][0]["rounds"] if s}
+    assert skipped == {("estimate", 1), ("commit", 1), ("commit", 2)}
+    assert runs["dc-adamw-nonfinite"][0]["skipped_steps"] == 2
+
+
+def test_sync_warmup_is_stock_zero1s_schedule(runs):
+    """The first K steps are stock's: accumulation boundaries every A micro-batches, the commit
+    waited for in the step() that launched it (global_steps and the committed θ, stock's, right
+    after it), the LR read after each step() stock's; then ACCO's phases of A/2. With every step in
+    the warm-up, θ_T is the real stock engine's, within float rounding, and far from ACCO's."""
+    stock, paper = runs["stock"][0], runs["paper"][0]
+    assert stock["optimizer"] == "DeepSpeedZeroOptimizer"
+    for name in ("warmup-all", "warmup-adamw"):
+        run = runs[name][0]
+        assert run["lrs"] == stock["lrs"], name
+        warm = GAS * (STEPS if name == "warmup-all" else K)
+        assert run["boundaries"][:warm] == stock["boundaries"][:warm] == [i % GAS == GAS - 1 for i in range(warm)]
+        assert run["boundaries"][warm:] == paper["boundaries"][:GAS * STEPS - warm], name
+        for i in (3, 7):  # right after the step() of a warm-up step's last micro-batch
+            steps, theta = run["probes"][i]
+            assert steps == stock["probes"][i][0] == (i + 1) // GAS, (name, i)
+            assert rel_distance(theta, stock["probes"][i][1]) < 1e-6, (name, i)
+    steps, theta = runs["warmup-adamw"][0]["probes"][9]  # ACCO's bootstrap from θ_K: nothing committed since
+    assert steps == K and rel_distance(theta, stock["probes"][7][1]) < 1e-6
+    # no estimate, no estimate drift for the warm-up's steps (nor one for its last commit, read with step K+1)
+    records = runs["warmup-adamw"][0]["metrics"]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [("estimate_micro_batches_global" in r, "prev_step_estimate_drift" in r) for r in records] == \
+        [(False, False)] * K + [(True, False)] + [(True, True)] * (STEPS - K - 1)
+    got, want = runs["warmup-all"][0]["final"], stock["final"]
+    err, apart = rel_distance(got, want), rel_distance(paper["final"], want)
+    print(f"warm-up over all {STEPS} steps vs the stock engine: {err:.1e}; ACCO's (paper) θ_T is {apart:.1e} away")
+    assert err < 1e-6 and apart > 1000 * err
+    assert runs["warmup-all"][0]["global_steps"] == stock["global_steps"] == STEPS
+
+
 def test_variants_needing_adams_second_moment_refuse_other_optimizers():
     out = run_ranks(workers.train_cases, cases=[
         {**_case({"optimizer": "sgd", "estimate": {"second_moment": "committed"}}), "refused": True}],
         timeout=scaled(60))
-    for message in out[0]:
+    for message, key in zip(out[0], ("acco.estimate.second_moment = 'committed'",
+                                     "acco.estimate.delay_compensation = 2.0")):
+        assert message["refused"].startswith(key), message
         assert "reads the committed second moment" in message["refused"] and "SGD" in message["refused"]
         assert "fix:" in message["refused"]
 

@@ -2,6 +2,10 @@
 speed (2 gloo ranks, one slowed by a sleep in its loop), replayed through the float64 reference;
 equal to fixed mode bit for bit without heterogeneity; an exact resume; refused where a caller
 counts A micro-batches per rank per step."""
+import glob
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -30,13 +34,37 @@ CASES = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     save = str(tmp_path_factory.mktemp("shared-ckpt"))
+    save_even = str(tmp_path_factory.mktemp("shared-even-ckpt"))
     cases = [dict({"steps": STEPS, "gas": GAS}, **c) for c in CASES.values()]
     cases[list(CASES).index("shared-slow")]["save"] = (save, SAVE_AT)
+    cases[list(CASES).index("shared-even")]["save"] = (save_even, SAVE_AT)
     results = run_ranks(workers.train_until_cases, cases=cases, timeout=scaled(200))
     out = {name: (results[0][i], results[1][i]) for i, name in enumerate(CASES)}
-    resumed = dict(CASES["shared-slow"], steps=STEPS, gas=GAS, resume=(save, SAVE_AT))
-    out["resumed"] = tuple(r[0] for r in run_ranks(workers.train_until_cases, cases=[resumed], timeout=scaled(200)))
+    old = str(tmp_path_factory.mktemp("shared-even-old-ckpt"))
+    shutil.copytree(save_even, old, dirs_exist_ok=True)
+    assert strip_key(old, "shares_aligned") == 2  # one file per rank: as saved before the key existed
+    resumed = {"resumed": ("shared-slow", save), "resumed-even": ("shared-even", save_even),
+               "resumed-even-old": ("shared-even", old)}
+    cases = [dict(CASES[name], steps=STEPS, gas=GAS, resume=(path, SAVE_AT)) for name, path in resumed.values()]
+    results = run_ranks(workers.train_until_cases, cases=cases, timeout=scaled(200))
+    out.update({name: (results[0][i], results[1][i]) for i, name in enumerate(resumed)})
     return out
+
+
+def strip_key(folder, key):
+    """Remove ``key`` from every dict inside the checkpoint files under ``folder``; files changed."""
+    def strip(obj):
+        if isinstance(obj, dict):
+            found = obj.pop(key, None) is not None
+            return sum([strip(v) for v in obj.values()], int(found))
+        return sum(strip(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+    changed = 0
+    for path in glob.glob(os.path.join(folder, "**", "*.pt"), recursive=True):
+        state = torch.load(path, weights_only=False)
+        if strip(state):
+            torch.save(state, path)
+            changed += 1
+    return changed
 
 
 def total_per_phase(mode):
@@ -98,6 +126,34 @@ def test_resume_from_a_step_boundary_is_exact(runs):
         assert resumed["losses"] == full["losses"][after:]
         assert equal(resumed["final"], full["final"])
         assert resumed["global_steps"] == full["global_steps"]
+        # the ranks' phase ends stay apart: drains keep their agreement protocol after the resume
+        assert not any(resumed["aligned"]) and resumed["drains_agree_by_protocol"]
+
+
+@pytest.mark.parametrize("name", ["shared-slow", "shared-slow-sgd", "dpu-shared-slow"])
+def test_fixed_modes_path_is_left_for_good_at_the_first_unequal_shares(runs, name):
+    """``aligned`` (fixed mode's path: no drain protocol) holds exactly while every phase so far had
+    equal shares, on every rank alike; shares back at equal later do not bring it back."""
+    for r in runs[name]:
+        equal_so_far = [all(s == r["shares"][0] for s in r["shares"][:i + 1]) for i in range(len(r["shares"]))]
+        assert r["shares"][0] == (total_per_phase(CASES[name]["acco"]["mode"]) // 2,) * 2
+        assert r["aligned"] == equal_so_far and not r["aligned"][-1], (r["shares"], r["aligned"])
+        assert r["drains_agree_by_protocol"]
+    assert changes(runs[name][0]["aligned"]) == changes(runs[name][1]["aligned"]) == [True, False]
+
+
+def test_equal_shares_resume_on_fixed_modes_path_and_older_checkpoints_on_the_protocol(runs):
+    for rank in (0, 1):
+        full = runs["shared-even"][rank]
+        assert all(full["aligned"]) and not full["drains_agree_by_protocol"]
+        for name, protocol in (("resumed-even", False), ("resumed-even-old", True)):
+            resumed = runs[name][rank]
+            after = len(full["losses"]) - len(resumed["losses"])
+            assert after > 0 and resumed["losses"] == full["losses"][after:], name
+            assert equal(resumed["final"], full["final"]), name
+            # a checkpoint without the flag may come from ranks whose shares differed before: protocol
+            assert resumed["drains_agree_by_protocol"] is protocol, name
+            assert all(a is (not protocol) for a in resumed["aligned"]), (name, resumed["aligned"])
 
 
 # -- refused where the caller counts A micro-batches per rank per step -------------------------------
@@ -152,3 +208,45 @@ def test_a_loop_counting_micro_batches_per_rank_is_warned():
     assert r0["warned"] == [] and len(r1["warned"]) == 1, (r0["warned"], r1["warned"])
     assert "engine.global_steps" in r1["warned"][0] and "rank 1" in r1["warned"][0]
     assert equal(r0["final"], r1["final"])
+
+
+# -- at equal shares: fixed mode per micro-batch, per round and per drain ----------------------------
+# Both ranks sleep alike (the same compute), so the measured rates stay inside the share rule's band.
+TRACE = {"gas": GAS, "steps": 6, "sleep": 0.05, "drain_every": 3}
+
+
+@pytest.fixture(scope="module")
+def traced():
+    import shared_workers
+    cases = [dict(TRACE, acco=dict(SHARED, accumulation="fixed")), dict(TRACE, acco=SHARED)]
+    return run_ranks(shared_workers.trace_runs, cases=cases, timeout=scaled(200))  # [rank][fixed, shared]
+
+
+def first_difference(a, b):
+    """Where two traces part, for the message: (index, a's entry, b's entry)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i, x, y
+    return min(len(a), len(b)), a[len(b):][:1], b[len(a):][:1]
+
+
+def test_with_equal_shares_it_does_what_fixed_does_per_micro_batch_round_and_drain(traced):
+    """The schedule's trace (tests/shared_workers.py: every collective, host read of a tensor value,
+    lane submit and wait, device event, phase-end decision and phase end, on the thread that did it;
+    the compute thread's cut at each micro-batch and drain, the lane's at each round) is fixed mode's,
+    entry for entry: no extra collective (a drain probe), no extra host read (the counts table read
+    before the reduce), no extra wait (for an estimate round at an evaluation), and the round in
+    flight collected where fixed mode collects it (at the phase end, not at the decision)."""
+    for rank, (fixed, shared) in enumerate(traced):
+        assert all(s == (GAS // 2,) * 2 for s in shared["shares"]), f"timing noise moved the shares: {shared['shares']}"
+        # the trace sees what it must: rounds with their collectives, and drains with each kind in flight
+        rounds = [name for name, _ in fixed["lane"] if not name.startswith("before")]
+        assert len(rounds) == 2 * TRACE["steps"] and all(
+            any(kind == "collective" for kind, _ in entries) for name, entries in fixed["lane"] if name in rounds)
+        drains = [entries for mark, entries in fixed["compute"] if mark.startswith("drained")]
+        assert [] in drains and any(("lane wait", f"commit {k}") in d for d in drains for k in range(TRACE["steps"]))
+        where = first_difference(fixed["compute"], shared["compute"])
+        assert fixed["compute"] == shared["compute"], f"rank {rank}, compute thread, after mark {where}"
+        where = first_difference(fixed["lane"], shared["lane"])
+        assert fixed["lane"] == shared["lane"], f"rank {rank}, lane, round {where}"
+        assert equal(fixed["final"], shared["final"])

@@ -31,7 +31,10 @@ import hf_workers  # noqa: E402
 GAS, STEPS = 4, 5
 NAN_AT = [(1, 6)]  # step 1, second half: its commit is skipped (ACCO); DPU: its only round
 SKIPPED = (1,)
-CASES = {"acco": {"acco": {}, "nan_at": NAN_AT}, "dpu": {"acco": {}, "mode": "dpu", "nan_at": NAN_AT}}
+CASES = {"acco": {"acco": {}, "nan_at": NAN_AT}, "dpu": {"acco": {}, "mode": "dpu", "nan_at": NAN_AT},
+         # step 1 is a step of the synchronous warm-up: its commit is collected inside the step() that
+         # launched it, before Accelerate steps its scheduler, which must then not be stepped at all
+         "acco-warmup": {"acco": {"sync_warmup_steps": 3}, "nan_at": NAN_AT}}
 
 
 @pytest.fixture(scope="module")

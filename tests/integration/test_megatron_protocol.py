@@ -10,7 +10,7 @@ import torch
 
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer
-from reference import reference_run
+from reference import reference_run, rel_distance
 from timeouts import scaled
 import megatron_workers
 from megatron_workers import INCREMENT, make_increment_lr
@@ -25,6 +25,12 @@ for mode in ("acco", "dpu"):
         CASES[(mode, protocol, True)] = {"mode": mode, "gas": GAS, "iters": ITERS, "protocol": protocol,
                                          "nan_at": NAN[mode]}
 CASES[("stock", "megatron", False)] = {"mode": "stock", "gas": GAS, "iters": ITERS, "protocol": "megatron"}
+WARMUP = 2  # acco.sync_warmup_steps: iterations 0 and 1 are stock's steps, then ACCO
+for protocol in ("megatron", "per_mb"):
+    for nan in (False, True):  # True: the first warm-up step is skipped (a NaN in its micro-batch 1)
+        CASES[("acco", protocol, f"warmup{'-nan' if nan else ''}")] = {
+            "mode": "acco", "gas": GAS, "iters": ITERS, "protocol": protocol,
+            "acco_extra": {"sync_warmup_steps": WARMUP}, "nan_at": [(1, 1)] if nan else []}
 for mode in ("acco", "dpu"):  # Megatron's own scheduler, whose load_state_dict() does not restore a live one
     CASES[(mode, "megatron", "megatron-like")] = {"mode": mode, "gas": GAS, "iters": ITERS, "protocol": "megatron",
                                                   "nan_at": NAN[mode], "scheduler": "megatron-like"}
@@ -123,6 +129,38 @@ def test_megatrons_scheduler_is_undone_by_its_inverse_step(runs, mode):
         assert [c["settings"] for c in commits if not c["skipped"]] == want
         assert run["sched_state"] == ref.state_dict()
         assert [i for i in range(ITERS) if run["logged"][i] != logged[i]] == [1]
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_sync_warmup_under_megatrons_protocol(runs, nan):
+    """acco.sync_warmup_steps under Megatron's calls: the same run as the per-micro-batch loop, the
+    float64 reference's warm-up, each warm-up iteration's commit booked in that iteration (stock's
+    global_steps and was_step_applied()), the LR logged after step() stock's, and a skipped warm-up
+    step (non-finite gradient) neither applied nor followed by a scheduler step, as in stock."""
+    key = "warmup-nan" if nan else "warmup"
+    for rank_runs in runs:
+        meg, per = rank_runs[("acco", "megatron", key)], rank_runs[("acco", "per_mb", key)]
+        for n in per["final"]:
+            assert torch.equal(meg["final"][n], per["final"][n]), n
+        assert (meg["global_steps"], meg["skipped_steps"], meg["lrs"]) == (per["global_steps"], per["skipped_steps"],
+                                                                           per["lrs"])
+        # warm-up iterations commit inside their step(); ACCO's first commit is booked an iteration later
+        assert meg["global_steps"] == [1, 2, 2, 3]
+        if not nan:
+            assert meg["applied"] == [True] * ITERS and meg["skipped_steps"] == [0] * ITERS
+            assert meg["logged_lrs"] == rank_runs[("stock", "megatron", False)]["logged_lrs"]
+            assert meg["sched_calls"] == ITERS
+        else:
+            assert meg["applied"] == [False, True, True, True] and meg["skipped_steps"] == [1] * ITERS
+            assert meg["sched_calls"] == ITERS - 1 == per["sched_calls"]
+    want = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=ITERS, mode="acco",
+                         make_optimizer=make_optimizer("adamw"), make_scheduler=make_increment_lr,
+                         sync_warmup_steps=WARMUP, skip_commit=(0,) if nan else ())
+    paper = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=ITERS, mode="acco",
+                          make_optimizer=make_optimizer("adamw"), make_scheduler=make_increment_lr,
+                          skip_commit=(0,) if nan else ())
+    got = runs[0][("acco", "megatron", key)]["final"]
+    assert rel_distance(got, want) < 1e-5 < 100 * 1e-5 < rel_distance(paper, want)
 
 
 def test_dynamic_refused_at_initialize_under_megatron():
