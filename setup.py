@@ -27,6 +27,8 @@ setup(
     "communication and the sharded optimizer step with the next micro-batches",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
+    # The library only: benchmarks/ (A/B runner, emulation, demo model and data), tests/, examples/ and
+    # scripts/ run from a checkout and stay out of the wheel.
     packages=find_packages(include=["ds_acco", "ds_acco.*"]),
     cmdclass={"build_py": BuildPyWithPth},
     # The ready configs ship with the package (ds_configs/ in a checkout is a link to them).
@@ -41,7 +43,7 @@ setup(
         "test": ["pytest>=8", "transformers>=5,<6", "accelerate>=1.15", "tqdm", "matplotlib>=3.5", "datasets"],
         "hf": ["transformers>=5,<6", "accelerate>=1.15"],
         "examples": ["transformers>=5,<6", "accelerate>=1.15", "tqdm", "datasets"],
-        "bench": ["matplotlib>=3.5", "transformers>=5,<6", "tqdm"],
+        "bench": ["matplotlib>=3.5", "transformers>=5,<6", "tqdm"],  # for a checkout's python -m benchmarks
         "mpi": ["mpi4py", "mpich"],
     },
 )

@@ -3,8 +3,8 @@
     engine, optimizer, loader, scheduler = ds_acco.initialize(model=..., model_parameters=..., config=...)
 
 The ``"acco"`` block of the DeepSpeed config switches it on; without it you get stock ZeRO-1.
-DeepSpeed is imported on first use of the names that need it, so ``ds_acco.data`` or
-``ds_acco.config`` stay light.
+DeepSpeed is imported on first use of the names that need it, so ``ds_acco.config`` or
+``ds_acco.configs`` stay light.
 """
 from __future__ import annotations
 

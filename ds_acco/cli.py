@@ -4,9 +4,7 @@
     python -m ds_acco check CONFIG.json --world-size 2   # checked for 2 data-parallel ranks
     python -m ds_acco check acco.json       # a config shipped with ds_acco, by name
     python -m ds_acco configs [NAME]        # paths of the shipped configs (ds_acco.configs)
-    python -m ds_acco ab ...                # forwarded to python -m ds_acco.bench ab ...
-    python -m ds_acco advise ...            # forwarded to python -m ds_acco.bench advise ...
-    python -m ds_acco cluster-test ...      # forwarded to python -m ds_acco.bench cluster-test ...
+    python -m ds_acco ab|advise|cluster-test  # moved: exit 2, naming python -m benchmarks ... (a checkout)
     python -m ds_acco run SCRIPT.py ARGS... # ds_acco.install(), then SCRIPT as __main__ (unedited)
     python -m ds_acco run -m MODULE ARGS... # the same for a module (python -m MODULE)
 
@@ -31,8 +29,6 @@ name of a shipped config. The JSON goes to stdout, notes and errors to stderr.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import runpy
@@ -42,8 +38,9 @@ from typing import List, Optional
 from . import configs
 
 EXIT_OK, EXIT_ERROR = 0, 2
-BENCH_MODULE = "ds_acco.bench.__main__"
-BENCH_COMMANDS = ("ab", "advise", "cluster-test")
+# The A/B runner, the advisor and the emulated cluster are instruments, not part of a training job:
+# they live in the checkout's benchmarks/ package, which the library never imports.
+MOVED_COMMANDS = ("ab", "advise", "cluster-test")
 
 
 def _has_auto(value) -> bool:
@@ -121,19 +118,12 @@ def list_configs(name: Optional[str] = None, out=None, err=None) -> int:
     return EXIT_OK
 
 
-def forward_to_bench(command: str, argv: List[str], err=None) -> int:
-    """Run ``python -m ds_acco.bench COMMAND ARGV`` in this process, if the bench is installed."""
+def moved_command(command: str, err=None) -> int:
+    """``python -m ds_acco ab|advise|cluster-test``: these left the library; say where they went."""
     err = err or sys.stderr
-    try:
-        found = importlib.util.find_spec(BENCH_MODULE) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        print(f"'{command}' needs ds_acco.bench (python -m ds_acco.bench {command}), which is not in this "
-              "installation of ds_acco; fix: install a ds_acco version that ships ds_acco/bench/", file=err)
-        return EXIT_ERROR
-    rc = importlib.import_module(BENCH_MODULE).main([command, *argv])
-    return int(rc or 0)
+    print(f"'python -m ds_acco {command}' moved out of the installed library: run 'python -m benchmarks {command} "
+          "...' from the root of a ds_acco checkout (benchmarks/ is not in the wheel; see BENCHMARKS.md)", file=err)
+    return EXIT_ERROR
 
 
 RUN_USAGE = ("usage: python -m ds_acco run SCRIPT.py [ARGS...] | python -m ds_acco run -m MODULE [ARGS...]: "
@@ -184,8 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             at = 2 if rest[0] == "-m" else 1
             rest = rest[:at] + lead + rest[at:]
         return run_script(rest)
-    if argv and argv[0] in BENCH_COMMANDS:  # the bench parses its own options, --help included
-        return forward_to_bench(argv[0], argv[1:])
+    if argv and argv[0] in MOVED_COMMANDS:  # before argparse: their own options must not be parsed here
+        return moved_command(argv[0])
     p = argparse.ArgumentParser(prog="python -m ds_acco", description="ds_acco: ACCO for DeepSpeed ZeRO-1.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="validate a DeepSpeed config's \"acco\" block; print it resolved as JSON")
@@ -197,12 +187,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("name", nargs="?", help="print only this one's path (e.g. acco.json)")
     sub.add_parser("run", help="ds_acco.install(), then run SCRIPT.py ARGS (or -m MODULE ARGS) as __main__",
                    add_help=False)
-    for name in BENCH_COMMANDS:
-        sub.add_parser(name, help=f"forwarded to python -m ds_acco.bench {name} (see its --help)", add_help=False)
+    for name in MOVED_COMMANDS:
+        sub.add_parser(name, help=f"moved: python -m benchmarks {name} in a checkout", add_help=False)
     args = p.parse_args(argv)
     if args.command == "configs":
         return list_configs(args.name)
     return check(args.config, world_size=args.world_size)
 
 
-__all__ = ["check", "forward_to_bench", "list_configs", "main", "run_script"]
+__all__ = ["check", "moved_command", "list_configs", "main", "run_script"]

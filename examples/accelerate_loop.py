@@ -30,8 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the demo model and corpus live in the checkout, not in the installed library
 
 import ds_acco  # noqa: E402
-from ds_acco.data import build_splits, heldout_batches  # noqa: E402  # MOVE: benchmarks.data
-from ds_acco.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402  # MOVE: benchmarks.gpt
+from benchmarks.data import build_splits, heldout_batches  # noqa: E402
+from benchmarks.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402
 
 RESULT_TAG = "ACCELERATE_RESULT"
 

@@ -14,8 +14,8 @@ the optimizer's lr / betas / eps / weight decay, ``gradient_clipping``) are set
 to ``"auto"`` in the config given; the config contributes the ZeRO stage, the optimizer type and
 the ``"acco"`` block. ACCO's mode ``acco`` needs an even ``--gradient-accumulation-steps``.
 
-The model is the reference GPT-2 of :mod:`ds_acco.gpt` with random initialisation (256 bytes); the
-data is the embedded standard-library docstring corpus of :mod:`ds_acco.data`, or ``--data-path``.
+The model is the reference GPT-2 of :mod:`benchmarks.gpt` with random initialisation (256 bytes); the
+data is the embedded standard-library docstring corpus of :mod:`benchmarks.data`, or ``--data-path``.
 Nothing is downloaded. Rank 0 prints ``FINETUNE_RESULT {json}`` at the end (the losses the
 Trainer logged, the held-out loss evaluated on committed weights, the engine's classes).
 """
@@ -30,10 +30,10 @@ import sys
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
+sys.path.insert(0, REPO)  # the library, and the demo model and corpus (benchmarks/), from the checkout
 
 from ds_acco import configs  # noqa: E402
-from ds_acco.gpt import gpt2_config  # noqa: E402  (the reference model's GPT2Config)
+from benchmarks.gpt import gpt2_config  # noqa: E402  (the reference model's GPT2Config)
 
 RESULT_TAG = "FINETUNE_RESULT"
 # Keys HF's DeepSpeed integration fills from TrainingArguments when they are "auto".
@@ -143,7 +143,7 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from ds_acco.data import build_splits
+    from benchmarks.data import build_splits
     from ds_acco.install import install  # also exported as ds_acco.install
 
     if not args.no_install:

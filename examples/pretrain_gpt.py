@@ -12,7 +12,7 @@ overrides the config's value). The script calls ``engine.step()`` after every mi
 DeepSpeed expects; with ACCO the commit of iteration k lands during iteration k+1, and
 ``engine.global_steps`` counts commits.
 
-* Model: the reference GPT-2 of :mod:`ds_acco.gpt` (``--num-layers``, ``--hidden-size``,
+* Model: the reference GPT-2 of :mod:`benchmarks.gpt` (``--num-layers``, ``--hidden-size``,
   ``--num-attention-heads``, ``--seq-length``), random initialisation, vocabulary of 256 bytes, no dropout.
 * Data: ``--data-path`` -- default the embedded standard-library docstring corpus (no network); a
   local text / JSON / CSV / parquet file or directory; or a hub dataset ``name[:config]`` when
@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
+sys.path.insert(0, REPO)  # the library, and the demo model and corpus (benchmarks/), from the checkout
 
 from ds_acco import configs  # noqa: E402
-from ds_acco.gpt import CausalLM, param_groups  # noqa: E402  (the reference model)
+from benchmarks.gpt import CausalLM, param_groups  # noqa: E402  (the reference model)
 
 RESULT_TAG = "PRETRAIN_RESULT"
 
@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     import ds_acco
-    from ds_acco.data import build_splits, heldout_batches, micro_batches
+    from benchmarks.data import build_splits, heldout_batches, micro_batches
 
     if not args.verbose:
         ds_logger.setLevel(logging.WARNING)

@@ -1,9 +1,9 @@
-"""Train the reference GPT-2 (:mod:`ds_acco.gpt`) with ACCO / DPU on an FSDP2 (``fully_shard``) model.
+"""Train the reference GPT-2 (:mod:`benchmarks.gpt`) with ACCO / DPU on an FSDP2 (``fully_shard``) model.
 
     torchrun --nproc_per_node 2 examples/train_fsdp.py
     torchrun --nproc_per_node 2 examples/train_fsdp.py --config ds_configs/dpu.json --steps 5 --bf16
 
-Same data (the embedded corpus of :mod:`ds_acco.data`, byte-tokenized), model family (GPT-2,
+Same data (the embedded corpus of :mod:`benchmarks.data`, byte-tokenized), model family (GPT-2,
 random init) and DeepSpeed-style JSON config as the DeepSpeed example: its ``"acco"`` block,
 ``gradient_accumulation_steps``, ``gradient_clipping``, ``train_micro_batch_size_per_gpu`` and the
 AdamW settings of its ``"optimizer"`` block are read. Rank 0 prints each optimizer step's train
@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
+sys.path.insert(0, REPO)  # the library, and the demo model and corpus (benchmarks/), from the checkout
 
 from ds_acco import configs  # noqa: E402
-from ds_acco.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402  (the reference model)
+from benchmarks.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402  (the reference model)
 
 
 def parse_args(argv=None):
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     import ds_acco
-    from ds_acco.data import build_splits, heldout_batches, micro_batches
+    from benchmarks.data import build_splits, heldout_batches, micro_batches
     from ds_acco.fsdp import AccoFSDP
 
     with open(args.config) as f:

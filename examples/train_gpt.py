@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 examples/train_gpt.py --ab
     torchrun --nproc_per_node 2 examples/train_gpt.py --deepspeed_config ds_configs/dpu.json --steps 3
 
-The data is the embedded standard-library docstring corpus of :mod:`ds_acco.data` (no network),
+The data is the embedded standard-library docstring corpus of :mod:`benchmarks.data` (no network),
 byte-tokenized. Rank 0 prints, per optimizer step, the train loss (mean over the step's
 micro-batches, averaged across ranks) and the step's wall time, plus the held-out loss on the
 committed weights every ``--eval-every`` steps and at the end.
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # runs from a checkout even when ds_acco is not installed
+sys.path.insert(0, REPO)  # the library, and the demo model and corpus (benchmarks/), from the checkout
 
 from ds_acco import configs  # noqa: E402
-from ds_acco.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402  (the reference model)
+from benchmarks.gpt import CausalLM, heldout_loss, param_groups  # noqa: E402  (the reference model)
 
 
 def parse_args(argv=None):
@@ -104,7 +104,7 @@ class StepLog:
 
 def train(cfg: dict, args, train_rows, heldout_rows) -> dict:
     import ds_acco
-    from ds_acco.data import heldout_batches, micro_batches
+    from benchmarks.data import heldout_batches, micro_batches
 
     rank, world = dist.get_rank(), dist.get_world_size()
     label = run_label(cfg)
@@ -198,7 +198,7 @@ def main(argv=None) -> None:
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
-    from ds_acco.data import build_splits
+    from benchmarks.data import build_splits
 
     if not args.verbose:
         ds_logger.setLevel(logging.WARNING)

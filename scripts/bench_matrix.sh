@@ -7,7 +7,7 @@ set -uo pipefail
 OUT="${1:-bench_results/matrix}"
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ds_ext}"
-AB="python -m ds_acco.bench ab --network emulated --out $OUT --steps 5 --warmup 1"
+AB="python -m benchmarks ab --network emulated --out $OUT --steps 5 --warmup 1"
 run() { echo "=== $*"; $AB "$@" || echo "FAILED: $*"; }
 run --world 2 --rate 1gbit --gas 16
 run --world 2 --rate 100mbit --gas 16
@@ -22,5 +22,5 @@ run --world 2 --gas 4 --steps 21 --eval-every 5 --eval-batches 8 --variants stoc
 # both frameworks side by side: stock ZeRO-1 / stock FSDP2 and the ACCO variants of each
 run --world 2 --rate 1gbit --gas 16 --variants all --label fsdp-w2-1gbit-gas16
 run --world 2 --rate 100mbit --gas 4 --variants all --label fsdp-w2-100mbit-gas4
-python -m ds_acco.bench summarize "$OUT/w*.json" "$OUT/quality*.json" "$OUT/fsdp*.json" --out "$OUT"
+python -m benchmarks summarize "$OUT/w*.json" "$OUT/quality*.json" "$OUT/fsdp*.json" --out "$OUT"
 echo MATRIX_DONE

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # EMULATION sweep (needs root: the emulated cluster): step time of stock, ACCO fixed, DPU and
 # dynamic against the communication / compute ratio, with an accelerator stand-in for compute
-# (ds_acco/bench/emulation.py: a wait per micro-batch, no CPU; real gradients and real rounds of
+# (benchmarks/emulation.py: a wait per micro-batch, no CPU; real gradients and real rounds of
 # an 8M-parameter model over shaped links). The ratio is measured per run (the probe's isolated
 # round against half a step's compute); its nominal value sets the wait per micro-batch from the
 # round time ROUND_S measured once beforehand.
@@ -20,10 +20,10 @@ for ((r = 0; r < REPEATS; r++)); do
     wait_s=$("$PY" -c "print(round($ROUND_S / ($ratio * $GAS / 2), 4))")
     label="emu-w$WORLD-$RATE-gas$GAS-r$ratio-rep$r"
     echo "=== ratio $ratio: $wait_s s per micro-batch ($label)"
-    "$PY" -m ds_acco.bench ab --network emulated --world "$WORLD" --rate "$RATE" --gas "$GAS" --steps 5 --warmup 1 \
+    "$PY" -m benchmarks ab --network emulated --world "$WORLD" --rate "$RATE" --gas "$GAS" --steps 5 --warmup 1 \
       --n-embd 64 --n-layer 1 --n-head 2 --emulate-params "$PARAMS" --emulate-compute-s "$wait_s" \
       --variants "${ORDERS[$((r % 3))]}" --prefix "emu$r" --out "$OUT" --label "$label" >"$OUT/$label.log" 2>&1 \
       || echo "FAILED: $label (see $OUT/$label.log)"
   done
 done
-"$PY" -m ds_acco.bench sweep "$OUT/emu-*.json" --out "$OUT"
+"$PY" -m benchmarks sweep "$OUT/emu-*.json" --out "$OUT"

@@ -2,7 +2,7 @@
 # Long-run fidelity at equal tokens (real compute, loopback, no emulation): stock ZeRO-1 vs ACCO
 # fixed (and any other VARIANTS) over STEPS steps with a warm-up + cosine schedule (DeepSpeed's
 # WarmupCosineLR), at each learning-rate multiple of the shipped AdamW's 1e-3; judged on the held-out
-# loss averaged over the last 30% of the steps (python -m ds_acco.bench fidelity).
+# loss averaged over the last 30% of the steps (python -m benchmarks fidelity).
 #   scripts/fidelity_long.sh [OUT_DIR]
 #   env: STEPS=1000 WARMUP=50 LRS="0.5 1 2" GAS=8 EVAL_EVERY=50 MODEL="--n-embd 128 --n-layer 2 --n-head 4"
 #        VARIANTS=stock,fixed  SLOW="" (e.g. "--slow-rank 1 --slow-factor 2" with VARIANTS=stock,shared)
@@ -33,9 +33,9 @@ PY
     label="fid-$tag-lr$lr-$STEPS"
     [ "$seed" = 0 ] || label+="-s$seed"  # seed 0 keeps the name of the runs published before seeds
     echo "=== $(date -u +%H:%M:%S) $label"
-    "$PY" -m ds_acco.bench ab --network loopback --world 2 --gas "$GAS" --steps "$STEPS" --warmup 1 "${model[@]}" \
+    "$PY" -m benchmarks ab --network loopback --world 2 --gas "$GAS" --steps "$STEPS" --warmup 1 "${model[@]}" \
       "${slow[@]}" --eval-every "$EVAL_EVERY" --eval-batches 8 --variants "$VARIANTS" --config "$cfg" --seed "$seed" \
       --out "$OUT" --label "$label" >"$OUT/$label.log" 2>&1 || echo "FAILED: $label (see $OUT/$label.log)"
   done
 done
-"$PY" -m ds_acco.bench fidelity "$OUT"/fid-*.json --out "$OUT" --stem "fidelity-$tag"
+"$PY" -m benchmarks fidelity "$OUT"/fid-*.json --out "$OUT" --stem "fidelity-$tag"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The short fine-tune fidelity case (issue 34): a tiny BERT topic classifier fine-tuned under the real HF
-# Trainer (ds_acco/bench/finetune.py: 2 CPU ranks, ZeRO-1, gas 4, 60 steps of the Trainer's linear schedule,
+# Trainer (benchmarks/finetune.py: 2 CPU ranks, ZeRO-1, gas 4, 60 steps of the Trainer's linear schedule,
 # DeepSpeed's AdamW), stock ZeRO-1 and each ACCO variant for every seed. Runs are paired: every run of a
 # seed starts from the same pretrained checkpoint, classifier init and data order (the table checks it).
 # The table: held-out loss on the committed weights at the end, the gap against stock per seed, its median
-# and range (python -m ds_acco.bench.finetune summarize).
+# and range (python -m benchmarks.finetune summarize).
 #   scripts/finetune_fidelity.sh [OUT_DIR]          (default bench_results/finetune)
 #   env: SEEDS="0 1 2 3 4"
 #        VARIANTS='{"stock": null, "paper": {"enabled": true, "estimate": "paper"}, ...}'   name -> acco block
@@ -33,7 +33,7 @@ for name, block in json.loads(sys.argv[1]).items():
     print(f"{name}\t{json.dumps(block)}")' "$VARIANTS")
 baseline=${variants[0]%%$'\t'*}
 for line in "${variants[@]}"; do
-  "$PY" -m ds_acco.bench.finetune config --acco "${line#*$'\t'}" --out "$OUT/configs/${line%%$'\t'*}.json"
+  "$PY" -m benchmarks.finetune config --acco "${line#*$'\t'}" --out "$OUT/configs/${line%%$'\t'*}.json"
 done
 
 sweep_start=$(date +%s)
@@ -46,7 +46,7 @@ for seed in $SEEDS; do
     t0=$(date +%s)
     if timeout --kill-after=30 "$TIMEOUT" "$PY" -m torch.distributed.run --nnodes 1 --nproc_per_node 2 \
         --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 \
-        -m ds_acco run -m ds_acco.bench.finetune train --deepspeed "$OUT/configs/$name.json" --variant "$name" \
+        -m ds_acco run -m benchmarks.finetune train --deepspeed "$OUT/configs/$name.json" --variant "$name" \
         --seed "$seed" --output_dir "$OUT/trainer" --pretrained_dir "$OUT/pretrained" --record "$record" \
         "${extra[@]}" >"$OUT/logs/$name-s$seed.log" 2>&1; then
       printf '%s\t%s\t%s\n' "$name" "$seed" "$(( $(date +%s) - t0 ))" >>"$OUT/timings.tsv"
@@ -57,4 +57,4 @@ for seed in $SEEDS; do
   done
 done
 echo "sweep: $(( $(date +%s) - sweep_start )) s"
-"$PY" -m ds_acco.bench.finetune summarize "$OUT"/records/*.json --baseline "$baseline" --out "$OUT/table"
+"$PY" -m benchmarks.finetune summarize "$OUT"/records/*.json --baseline "$baseline" --out "$OUT/table"

@@ -54,7 +54,7 @@ Assertions (name: what must hold):
   all-gathers (its streams, from the compute thread, on the mesh's communicator) beside the lane's
   rounds (another communicator, another thread) -- ACCO and DPU, fp32 AdamW with clipping and an LR
   schedule: within 1e-5 of the float64 reference
-- tp.reference: DeepSpeed ACCO with a Megatron-style ``mpu`` (tests/tp_workers.py's TPNet, its
+- tp.reference: DeepSpeed ACCO with a Megatron-style ``mpu`` (tests/deepspeed/tp_workers.py's TPNet, its
   tensor-parallel all-reduces on the model's communicator from the compute thread, the lane's rounds
   and the gradient norm's model-parallel sum on the lane's) at tensor-parallel size 1: one GPU
   cannot host two NCCL ranks, so this checks the CUDA path of the mpu code, not a cross-rank order.
@@ -87,7 +87,9 @@ import torch.distributed as dist  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _path in (os.path.join(ROOT, "tests"), ROOT):
+# The checkout, the suite's harness and the workers it reuses (beside their tests, as pytest.ini lists them).
+for _path in (*(os.path.join(ROOT, "tests", area) for area in ("comm", "deepspeed", "fsdp")), os.path.join(ROOT, "tests"),
+              ROOT):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -209,9 +211,9 @@ def widening(log, lane_thread: str = "acco-comm") -> dict:
 
 
 def record(device: torch.device, case: dict, args) -> dict:
-    """One recorded DeepSpeed run (tests/stream_workers.py) and its distance to the reference."""
+    """One recorded DeepSpeed run (tests/comm/stream_workers.py) and its distance to the reference."""
     import stream_workers
-    from ds_acco.comm.recording import RecordingAccelerator
+    from ds_acco.testing.recording import RecordingAccelerator
     from fixtures import TinyNet, batch, make_optimizer
     from reference import reference_run
     engines = []
@@ -399,7 +401,7 @@ def gpt_engine(variant: str, n_layer: int, n_embd: int, seq: int, micro_batch: i
     """A bf16 GPT under stock ZeRO-1 ('stock'), ACCO fixed ('fixed') or DPU ('dpu'); every variant
     the same model, data type, batch and optimizer."""
     import ds_acco
-    from ds_acco.gpt import CausalLM, param_groups
+    from benchmarks.gpt import CausalLM, param_groups
     torch.manual_seed(0)
     model = CausalLM(seq, n_embd=n_embd, n_layer=n_layer, n_head=max(1, n_embd // 64))
     cfg = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
@@ -512,7 +514,7 @@ def _check_fp16(checks: Checks, name: str, run: dict) -> None:
 
 
 def check_precision(checks: Checks, device: torch.device, args) -> dict:
-    """DeepSpeed's engine: fp32 ACCO and DPU, bf16 and fp16 ACCO (tests/workers.py's runs)."""
+    """DeepSpeed's engine: fp32 ACCO and DPU, bf16 and fp16 ACCO (tests/deepspeed/workers.py's runs)."""
     import workers
     fp32 = _check_fp32(checks, "precision.fp32", workers.train)
     bf16_case = dict(BF16_CASE, acco={"enabled": True, "mode": "acco"},
@@ -526,7 +528,7 @@ def check_precision(checks: Checks, device: torch.device, args) -> dict:
 
 
 def check_fsdp(checks: Checks, device: torch.device, args) -> dict:
-    """ds_acco's FSDP2 adapter on a one-rank mesh of the device (tests/fsdp_workers.py's runs)."""
+    """ds_acco's FSDP2 adapter on a one-rank mesh of the device (tests/fsdp/fsdp_workers.py's runs)."""
     import fsdp_workers
     fp32 = _check_fp32(checks, "fsdp.fp32", fsdp_workers.run)
     bf16_case = dict(BF16_CASE, mp=True, acco={"enabled": True, "mode": "acco"})

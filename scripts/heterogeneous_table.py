@@ -1,6 +1,6 @@
 """The heterogeneous sweep's summary table (EMULATION): one row per slow factor, each variant's time
 to target against stock (median [range] over repeats, ratios within each repeat) and its held-out
-loss at stock's tokens against stock's, from the per-factor outputs of ``python -m ds_acco.bench ttt``.
+loss at stock's tokens against stock's, from the per-factor outputs of ``python -m benchmarks ttt``.
 
     python scripts/heterogeneous_table.py docs/bench/heterogeneous/ttt-slow*/ttt-*slow1x*[0-9].json
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # EMULATION: time to a target held-out loss, measured in one run per variant (needs root: the
-# emulated cluster). Compute is the accelerator stand-in of ds_acco/bench/emulation.py (a wait per
+# emulated cluster). Compute is the accelerator stand-in of benchmarks/emulation.py (a wait per
 # micro-batch, no CPU) around a small real GPT whose held-out loss is tracked on committed weights;
 # a zero-gradient bulk parameter makes the rounds PARAMS large, over shaped links. Variants: stock,
 # ACCO fixed, DPU, ACCO dynamic with each learning-rate rule, order rotated per repeat; with BIG_GAS,
@@ -35,15 +35,15 @@ for ((r = 0; r < REPEATS; r++)); do
   n=${#VARIANTS[@]}; order=""
   for ((i = 0; i < n; i++)); do order+="${VARIANTS[$(((i + r) % n))]},"; done
   echo "=== repeat $r: ${order%,} ($wait_s s per micro-batch)"
-  "$PY" -m ds_acco.bench ab --network emulated --world "$WORLD" --rate "$RATE" --gas "$GAS" --steps "$STEPS" \
+  "$PY" -m benchmarks ab --network emulated --world "$WORLD" --rate "$RATE" --gas "$GAS" --steps "$STEPS" \
     --warmup 1 "${MODEL[@]}" --emulate-compute-s "$wait_s" --variants "${order%,}" --prefix "ttt$r" \
     --out "$OUT" --label "$stem-rep$r" >"$OUT/$stem-rep$r.log" 2>&1 || echo "FAILED: $stem-rep$r (see $OUT/$stem-rep$r.log)"
   if [ -n "$BIG_GAS" ]; then
     big_steps=$("$PY" -c "print(max(20, int(1.5 * $STEPS * $GAS / $BIG_GAS)))")
-    "$PY" -m ds_acco.bench ab --network emulated --world "$WORLD" --rate "$RATE" --gas "$BIG_GAS" --steps "$big_steps" \
+    "$PY" -m benchmarks ab --network emulated --world "$WORLD" --rate "$RATE" --gas "$BIG_GAS" --steps "$big_steps" \
       --warmup 1 "${MODEL[@]}" --emulate-compute-s "$wait_s" --variants stock --prefix "ttb$r" --out "$OUT" \
       --label "$stem-stockgas$BIG_GAS-rep$r" >"$OUT/$stem-stockgas$BIG_GAS-rep$r.log" 2>&1 \
       || echo "FAILED: $stem-stockgas$BIG_GAS-rep$r"
   fi
 done
-"$PY" -m ds_acco.bench ttt "$OUT/$stem-*rep*.json" --out "$OUT" --stem "$stem"
+"$PY" -m benchmarks ttt "$OUT/$stem-*rep*.json" --out "$OUT" --stem "$stem"

@@ -296,7 +296,7 @@ def replay_scales(skipped_flags, **args) -> List[float]:
 
 def check_real_fp16(run: dict, model: torch.nn.Module, batch: Callable[[int, int], tuple], *, world: int, gas: int,
                     steps: int, fp16: dict, make_optimizer: Callable, label: str = "fp16") -> float:
-    """Assert that a real fp16 ACCO run (tests/workers.py's or fsdp_workers.py's result; DeepSpeed's
+    """Assert that a real fp16 ACCO run (tests/deepspeed/workers.py's or fsdp_workers.py's result; DeepSpeed's
     ``fp16`` block ``fp16`` with a scale that overflows first) skipped its overflowing steps, moved its
     loss scale as DeepSpeed's scaler does, and ended nearest to ACCO's float64 θ_T with the same skips,
     within fp16's error. Returns the relative error."""

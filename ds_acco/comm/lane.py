@@ -26,7 +26,7 @@ wait for an unfinished round raises at once and :meth:`CommLane.close` does not 
 so the exit path after a timeout (a drain, then the lane's close) adds no second and third
 ``timeout_s`` to the first.
 
-Tests drive this protocol with :class:`~ds_acco.comm.recording.RecordingAccelerator`, which
+Tests drive this protocol with :class:`~ds_acco.testing.recording.RecordingAccelerator`, which
 checks every cross-stream access for an ordering, and swap in lanes that delay or gate rounds
 to check asynchrony structurally.
 """

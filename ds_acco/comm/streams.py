@@ -12,7 +12,7 @@ The lane needs six things of an accelerator, named as DeepSpeed's accelerator na
 
 and of streams ``wait_event`` / ``synchronize``, of events ``record(stream)`` / ``query()`` /
 ``synchronize()``. The DeepSpeed adapter passes DeepSpeed's accelerator, the FSDP2 adapter
-:class:`TorchAccelerator`; tests pass :class:`~ds_acco.comm.recording.RecordingAccelerator`,
+:class:`TorchAccelerator`; tests pass :class:`~ds_acco.testing.recording.RecordingAccelerator`,
 which runs on CPU as if it were an asynchronous device and records the protocol.
 """
 from __future__ import annotations

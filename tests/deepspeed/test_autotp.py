@@ -1,6 +1,6 @@
 """ACCO under DeepSpeed's AutoTP (``"tensor_parallel": {"autotp_size": 2}``: DeepSpeed splits the
 model and builds the tensor-parallel groups itself, no user ``mpu``): 4 gloo ranks, 2 data-parallel
-x 2 tensor-parallel (tests/tp_workers.py ``train_autotp``).
+x 2 tensor-parallel (tests/deepspeed/tp_workers.py ``train_autotp``).
 
 Stock AutoTP and ACCO (fixed) are each compared with the float64 reference of the unsplit TinyNet
 at data-parallel world 2: stock with the synchronous recurrence, ACCO with ACCO's. Stock equal to

@@ -3,7 +3,7 @@
 What stock does with a skipped step: DeepSpeed's ``_take_model_step`` steps the LR scheduler only
 when the optimizer step was applied (an fp16 overflow skips both). So the reference for the LR is
 the scheduler stepped once per *applied* step. Here it is a real stock engine that skips the same
-steps: fp16 (DeepSpeed's dynamic loss scaler, run on CPU as tests/workers.py does) with a NaN
+steps: fp16 (DeepSpeed's dynamic loss scaler, run on CPU as tests/deepspeed/workers.py does) with a NaN
 injected into one rank's micro-batch, which overflows stock's step and skips ACCO's commit of that
 step (a NaN in the first half of a step skips its estimate too). Every scheduler below is compared
 with stock, bit for bit:

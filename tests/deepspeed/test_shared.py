@@ -231,7 +231,7 @@ def first_difference(a, b):
 
 
 def test_with_equal_shares_it_does_what_fixed_does_per_micro_batch_round_and_drain(traced):
-    """The schedule's trace (tests/shared_workers.py: every collective, host read of a tensor value,
+    """The schedule's trace (tests/deepspeed/shared_workers.py: every collective, host read of a tensor value,
     lane submit and wait, device event, phase-end decision and phase end, on the thread that did it;
     the compute thread's cut at each micro-batch and drain, the lane's at each round) is fixed mode's,
     entry for entry: no extra collective (a drain probe), no extra host read (the counts table read

@@ -1,5 +1,5 @@
 """ACCO with tensor parallelism: 4 gloo ranks, 2 data-parallel x 2 tensor-parallel, a hand-split
-model (tests/tp_workers.py) against the float64 reference of the unsplit model at data-parallel
+model (tests/deepspeed/tp_workers.py) against the float64 reference of the unsplit model at data-parallel
 world 2. Rounds run on the data-parallel group; the gradient norm (so the clip and the skip) is
 summed over the tensor-parallel group too, replicated parameters counted once."""
 import pytest

@@ -1,4 +1,4 @@
-"""Megatron-DeepSpeed drives an ACCO engine unmodified (see tests/megatron_workers.py for the calls).
+"""Megatron-DeepSpeed drives an ACCO engine unmodified (see tests/integration/megatron_workers.py for the calls).
 
 The caller sets the accumulation boundary itself and calls ``step(lr_kwargs)`` once per A
 micro-batches: ACCO counts micro-batches in ``backward`` and must give exactly the schedule of the

@@ -7,7 +7,7 @@ Both callers step their own LR scheduler on the compute thread right after each 
 the lane. A round must use the learning rate of its own step (ACCO.md): the one in place when it
 was launched, not when it happens to run. The gated Accelerate run holds every round until the
 compute lane has finished a later micro-batch, so it runs after the caller's scheduler step: the
-worst timing, deterministically (tests/hf_workers.py).
+worst timing, deterministically (tests/integration/hf_workers.py).
 """
 from __future__ import annotations
 

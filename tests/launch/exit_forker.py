@@ -26,6 +26,7 @@ import time
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TESTS)
 sys.path.insert(0, os.path.dirname(TESTS))
+sys.path.insert(0, os.path.join(TESTS, "fsdp"))  # fsdp_workers, beside the FSDP tests
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,11 +1,11 @@
-"""What the installed package needs ships with it: the ready configs (``ds_acco.configs``), the
-reference model (``ds_acco.gpt``) and the bench, which runs without the repository.
+"""What the installed package needs ships with it (the ready configs, ``ds_acco.configs``), and only
+that: the benchmarks, the demo model and corpus (``benchmarks/``), tests and examples stay in the checkout.
 
 The end-to-end test builds a wheel of this checkout, installs it with ``--no-deps`` into a fresh
 venv outside the repository (the dependencies come from this interpreter's site-packages through
 a ``.pth`` file, so nothing is downloaded), and from a directory outside the repository runs
-``python -m ds_acco check`` on a shipped config by name, the A/B runner's dry run and
-``DS_ACCO_INSTALL=1`` through the installed ``.pth`` (a deepspeed probe, then the import).
+``python -m ds_acco check`` on a shipped config by name, the moved ``ab`` command (exit 2, naming
+``python -m benchmarks ab``) and ``DS_ACCO_INSTALL=1`` through the installed ``.pth`` (a deepspeed probe, then the import).
 """
 from __future__ import annotations
 
@@ -23,11 +23,9 @@ from pathlib import Path
 import pytest
 
 from ds_acco import cli, configs
-from ds_acco.bench import worker
 from dist import TORCHRUN_RENDEZVOUS, communicate, launch
 from test_autoinstall import GUARD_SCRIPT, STOCK, check_guard_run, guard_env
 from timeouts import scaled
-from ds_acco.bench import runner
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = {"acco.json", "acco_bf16.json", "acco_dynamic.json", "acco_fp16.json", "acco_shared.json", "dpu.json",
@@ -64,26 +62,6 @@ def test_configs_command_prints_paths(capsys):
     assert cli.main(["configs"]) == 0
     assert capsys.readouterr().out.split() == [configs.path(n) for n in sorted(SHIPPED)]
     assert cli.main(["configs", "nope"]) == 2
-
-
-def test_dry_run_plan_resolves_everything_and_launches_nothing(tmp_path):
-    spec = runner.ABSpec(network="loopback", variants=("stock", "fixed", "fsdp_dpu"), base_config="zero1.json")
-    plan = runner.plan(spec, str(tmp_path / "out" / "x.raw.json"))
-    assert plan["base_config"] == configs.path("zero1.json")
-    assert plan["variants"]["fixed"]["acco"]["enabled"] is True and "acco" not in plan["variants"]["stock"]
-    assert [r["env"]["RANK"] for r in plan["ranks"]] == ["0", "1"]
-    for r in plan["ranks"]:
-        assert r["command"][:3] == [sys.executable, "-m", "ds_acco.bench.worker"]
-        assert "PYTHONPATH" not in r["env"] and "TORCH_EXTENSIONS_DIR" not in r["env"]
-    assert not (tmp_path / "out").exists()
-
-
-def test_dry_run_refuses_a_config_a_variant_cannot_run(tmp_path):
-    bad = tmp_path / "stage2.json"
-    bad.write_text(json.dumps({**json.load(open(configs.path("zero1.json"))), "zero_optimization": {"stage": 2}}))
-    spec = runner.ABSpec(network="loopback", variants=("stock", "fixed"), base_config=str(bad))
-    with pytest.raises(ValueError, match="variant fixed: zero_optimization.stage = 2"):
-        runner.plan(spec, str(tmp_path / "x.raw.json"))
 
 
 # -- a wheel in a fresh venv ---------------------------------------------------------------------------
@@ -125,8 +103,9 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     (wheel,) = dist.glob("ds_acco-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {f"ds_acco/configs/{n}" for n in SHIPPED} <= set(names)
-    assert {"ds_acco/gpt.py", "ds_acco/data.py", "ds_acco/bench/worker.py"} <= set(names)
-    assert not [n for n in names if n.split("/")[0] in ("tests", "examples", "scripts", "ds_configs", "docs")]
+    assert "ds_acco/testing/recording.py" in names  # the test double ships: downstream checks may use it
+    assert not [n for n in names if n.split("/")[0] in ("benchmarks", "tests", "examples", "scripts", "ds_configs",
+                                                        "docs")]
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv])
@@ -152,15 +131,13 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     listed = _run([py, "-m", "ds_acco", "configs"], cwd=work, env=env).stdout.split()
     assert {Path(p).name for p in listed} == SHIPPED and all(_inside(p, venv) for p in listed)
 
-    dry = _run([py, "-m", "ds_acco", "ab", "--dry-run", "--network", "loopback", "--variants", "all",
-                "--out", work / "out"], cwd=work, env=env)
-    plan = json.loads(dry.stdout)
-    assert _inside(plan["base_config"], venv) and Path(plan["base_config"]).name == "zero1.json"
-    assert len(plan["variants"]) == len(worker.DS_VARIANTS + worker.FSDP_VARIANTS) and len(plan["ranks"]) == 2
-    for r in plan["ranks"]:
-        assert r["command"][1:3] == ["-m", "ds_acco.bench.worker"] and _inside(r["command"][0], venv)
-        assert "PYTHONPATH" not in r["env"]
-    assert not (work / "out").exists()  # a dry run writes nothing
+    # The instruments stayed in the checkout: the old command says where they went, and nothing installed them.
+    moved = subprocess.run([py, "-m", "ds_acco", "ab", "--dry-run"], cwd=work, env=env, capture_output=True, text=True,
+                           timeout=scaled(60))
+    assert moved.returncode == 2 and "python -m benchmarks ab" in moved.stderr, moved.stderr[-2000:]
+    gone = subprocess.run([py, "-c", "import benchmarks"], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=scaled(60))
+    assert gone.returncode != 0 and "No module named 'benchmarks'" in gone.stderr, gone.stderr[-2000:]
 
     # DS_ACCO_INSTALL=1 through the installed .pth: start-up loads only the hook (no torch), and a probe
     # like transformers' (find_spec before the import) leaves it armed for the import that follows.
@@ -186,12 +163,6 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
         assert rc not in (0, None), (name, out[-3000:])
         assert STOCK in out and "python -m ds_acco run SCRIPT.py" in out, (name, out[-3000:])
         assert "PLAIN_RESULT" not in out and "ACCO is on" not in out, (name, out[-3000:])
-
-    # The reference model builds and computes a loss from the installed package.
-    loss = _run([py, "-c", "import torch; from ds_acco.gpt import CausalLM; torch.manual_seed(0); "
-                 "print(CausalLM(8, n_embd=16, n_layer=1, n_head=2)(torch.zeros(2, 9, dtype=torch.long)).item())"],
-                cwd=work, env=env).stdout
-    assert float(loss) > 0
 
 
 ACCO_ON = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},

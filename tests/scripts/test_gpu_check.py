@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dist import run_ranks
-from ds_acco.comm.recording import Entry
+from ds_acco.testing.recording import Entry
 from scripts import gpu_check
 from timeouts import scaled
 

@@ -10,7 +10,7 @@ optimizer state (8: AdamW in fp32).
 """
 from typing import Dict
 
-# A/B runner variant names (ds_acco.bench.runner) -> the formula's row
+# A/B runner variant names (benchmarks.runner) -> the formula's row
 _ROWS = {
     "stock": "zero1_stock", "fixed": "zero1_acco", "dynamic": "zero1_acco", "shared": "zero1_acco",
     "dpu": "zero1_acco", "dynamic_sqrt": "zero1_acco", "dynamic_linear": "zero1_acco",
@@ -62,7 +62,7 @@ def table(summaries, order=None) -> str:
     fp32 AdamW). ``order``: the variants' row order (default: as first seen)."""
     import statistics
 
-    from ds_acco.bench.runner import baseline  # the stock run each variant is compared with, as the A/B report does
+    from benchmarks.runner import baseline  # the stock run each variant is compared with, as the A/B report does
 
     MiB = 2 ** 20
     peaks: Dict[str, list] = {}
@@ -78,7 +78,7 @@ def table(summaries, order=None) -> str:
     buf = buf_bytes / MiB
     rows = [f"N = {n:,} parameters, W = {world}; one buffer B = {buf:.0f} MiB (the model in the communication "
             f"dtype); target: ACCO <= its stock + 1.25 B = + {1.25 * buf:.0f} MiB. Formula: README \"Memory per "
-            "rank\", fp32 AdamW, model states only (ds_acco/bench/memory_model.py)", "",
+            "rank\", fp32 AdamW, model states only (benchmarks/memory_model.py)", "",
             "| variant | peak RSS Δ MiB, median (runs) | its stock | − its stock | in B | formula MiB | "
             "formula − its stock |", "|---|---|---|---|---|---|---|"]
     for name in [v for v in (order or peaks) if v in peaks]:

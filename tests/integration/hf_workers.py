@@ -12,7 +12,7 @@ reference.
   micro-batch was computed on, so the reference can replay exactly the Trainer's data.
 
 ``gated`` (Accelerate): every communication round is held until the compute lane has finished a
-later micro-batch (tests/workers.py ``install_gated_lane``), so a round reads whatever the caller
+later micro-batch (tests/deepspeed/workers.py ``install_gated_lane``), so a round reads whatever the caller
 changed meanwhile -- the worst timing, made deterministic.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LR_LAMBDA_DECAY = 0.5  # the Accelerate loop's schedule: lr / (1 + 0.5 s) after s scheduler steps
 
 
@@ -150,7 +150,7 @@ def build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ds_acco.data import embedded_corpus
+    from benchmarks.data import embedded_corpus
     text = embedded_corpus()[:200_000]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,4 +1,4 @@
-"""Tests of ds_acco.bench: the advisor model, the runner's bookkeeping, the report writer, the
+"""Tests of benchmarks: the advisor model, the runner's bookkeeping, the report writer, the
 cluster's commands and launcher (no root needed), and one emulated-cluster run (root only)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ds_acco.bench import advisor, cluster, report, runner
+from benchmarks import advisor, cluster, report, runner
 
 import prebuild
 from timeouts import scaled
@@ -153,7 +153,7 @@ def test_advise_uses_the_round_measured_beside_compute():
 
 def test_probe_runs_rounds_beside_compute_and_measures_both():
     import threading
-    from ds_acco.bench import worker
+    from benchmarks import worker
     events = []
 
     def micro():
@@ -185,7 +185,7 @@ def test_probe_runs_rounds_beside_compute_and_measures_both():
 
 
 def test_seconds_per_item_counts_partial_items():
-    from ds_acco.bench.worker import seconds_per_item
+    from benchmarks.worker import seconds_per_item
     assert seconds_per_item([(0, 1), (1, 2), (2, 3)], 0, 3) == pytest.approx(1.0)
     # a window inside one item of 4 s: a quarter of it is done in 1 s
     assert seconds_per_item([(0, 4)], 1, 2) == pytest.approx(4.0)
@@ -337,15 +337,15 @@ def test_boundary_positions():
 
 
 def test_variant_lists_and_unknown_variants():
-    from ds_acco.bench.__main__ import main, parse_variants
+    from benchmarks.__main__ import main, parse_variants
     assert parse_variants("stock,fsdp") == ("stock", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
-    from ds_acco.bench import worker
+    from benchmarks import worker
     assert parse_variants("all") == worker.DS_VARIANTS + worker.FSDP_VARIANTS  # the LR-rule variants by name only
     assert parse_variants("dynamic_sqrt") == ("dynamic_sqrt",) and worker.mode_of("dynamic_linear") == "dynamic"
     with pytest.raises(ValueError, match="fsdp_acco"):
         runner.ABSpec(variants=("stock", "fsdp_acco"))
     assert main(["ab", "--network", "loopback", "--variants", "stock,fixd"]) == 2
-    from ds_acco.bench import worker
+    from benchmarks import worker
     for block in ({"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}, {"scheduler": {"type": "WarmupLR"}}):
         with pytest.raises(ValueError, match=next(iter(block))):
             worker.check_fsdp_config(block)
@@ -353,7 +353,7 @@ def test_variant_lists_and_unknown_variants():
 
 
 def worker_variants():
-    from ds_acco.bench import worker
+    from benchmarks import worker
     return worker.VARIANTS
 
 
@@ -367,7 +367,7 @@ def test_spec_names_and_worker_spec(tmp_path):
 
 
 def test_variant_configs_differ_only_in_the_acco_block():
-    from ds_acco.bench import worker
+    from benchmarks import worker
     base = json.load(open(os.path.join(REPO, "ds_configs", "zero1.json")))
     spec = {"micro_batch": 4, "gas": 16, "dynamic_min": None, "dynamic_max": None}
     cfgs = {v: worker.variant_config(base, v, spec) for v in worker.VARIANTS}
@@ -490,7 +490,7 @@ def test_launch_times_out():
 
 
 def test_cli_says_root_is_needed(monkeypatch, capsys):
-    from ds_acco.bench.__main__ import main
+    from benchmarks.__main__ import main
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["cluster-test", "--nodes", "2"]) == 2
     assert "needs root" in capsys.readouterr().err
@@ -507,7 +507,7 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
     prefix = f"accot{os.getpid() % 100000}"
     env = {**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"}
     env.setdefault("TORCH_EXTENSIONS_DIR", prebuild.default_extensions_dir())  # conftest sets it: ops prebuilt
-    out = subprocess.run([sys.executable, "-m", "ds_acco.bench", "cluster-test", "--nodes", "2", "--rate", "100mbit",
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "cluster-test", "--nodes", "2", "--rate", "100mbit",
                           "--mbytes", "4", "--prefix", prefix, "--timeout", str(round(scaled(30)))],
                          capture_output=True, text=True, env=env, timeout=scaled(50))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -519,7 +519,7 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in left
     # the A/B runner end to end on the cluster: a tiny model, both frameworks, three steps
-    out = subprocess.run([sys.executable, "-m", "ds_acco.bench", "ab", "--network", "emulated", "--rate", "1gbit",
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "ab", "--network", "emulated", "--rate", "1gbit",
                           "--gas", "2", "--steps", "3", "--variants", "stock,fixed,fsdp_stock,fsdp_fixed",
                           "--n-embd", "32", "--n-layer",
                           "1", "--n-head", "2", "--seq-len", "16", "--out", str(tmp_path), "--prefix", prefix,
@@ -542,8 +542,8 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
 # -- accelerator emulation --------------------------------------------------------------------------
 def test_emulated_compute_takes_wall_time_not_cpu_and_keeps_the_small_gpts_loss():
     import torch
-    from ds_acco.bench.emulation import EmulatedLM
-    from ds_acco.gpt import CausalLM
+    from benchmarks.emulation import EmulatedLM
+    from benchmarks.gpt import CausalLM
     torch.manual_seed(0)
     model = EmulatedLM(8, params=2_000_000, compute_s=0.6, n_embd=32, n_layer=1, n_head=2)
     torch.manual_seed(0)
@@ -560,7 +560,7 @@ def test_emulated_compute_takes_wall_time_not_cpu_and_keeps_the_small_gpts_loss(
     assert model.bulk.grad is not None and model.bulk.grad.shape == model.bulk.shape  # a real, full-size gradient
     assert not model.bulk.grad.any()
     model.eval()
-    from ds_acco.bench import emulation
+    from benchmarks import emulation
     waits = []
     real_wait, emulation._wait = emulation._wait, waits.append
     try:
@@ -717,7 +717,7 @@ def test_shared_variant_commits_stocks_batch_every_step_on_every_rank():
     micro-batches: the first 'shared' measurement's +2.8% held-out gap.)"""
     import bench_workers
     from dist import run_ranks
-    from ds_acco.bench import runner
+    from benchmarks import runner
 
     gas, steps = 4, 6
     spec = runner.ABSpec(world=2, gas=gas, steps=steps, seq_len=8, micro_batch=2, n_embd=16, n_layer=1, n_head=2,
@@ -739,7 +739,7 @@ def test_heterogeneity_profiles_slow_only_the_slow_rank():
     """The sweep's slowdowns (EMULATION): a constant factor, a straggler's lognormal jitter of mean 1,
     a transient window of the steps; every other rank runs at 1."""
     import math as m
-    from ds_acco.bench.worker import Slowdown
+    from benchmarks.worker import Slowdown
 
     spec = {"steps": 10, "seed": 0, "slow_rank": 1, "slow_factor": 2.0}
     assert [Slowdown(spec, 0)(s) for s in range(10)] == [1.0] * 10
@@ -821,7 +821,7 @@ def test_tail_fidelity_medians_over_seeds_group_by_label_without_the_seed():
 
 
 def test_sharded_fsdp_variants_are_compared_with_stock_fsdp_in_the_same_layout():
-    from ds_acco.bench.worker import is_sharded, mode_of
+    from benchmarks.worker import is_sharded, mode_of
     assert [mode_of(v) for v in ("fsdp_stock_sharded", "fsdp_fixed_sharded")] == ["stock", "fixed"]
     assert is_sharded("fsdp_fixed_sharded") and not is_sharded("fsdp_fixed") and not is_sharded("fixed")
     present = {"stock", "fsdp_stock", "fsdp_stock_sharded", "fsdp_fixed", "fsdp_fixed_sharded"}
@@ -835,7 +835,7 @@ def test_memory_formula_extras_are_the_readme_sentences():
     """README "Memory per rank": ACCO adds one buffer N·max(c, w, e) to ZeRO-1 (less the fp32
     gradient shard it does not keep when c is fp32), and N·max(a, e) + N/W·w to FSDP2's own no-sync
     accumulation with sharded parameters (B + E: 1.5 B at 2 ranks in fp32, 1.25 B at 4)."""
-    from ds_acco.bench.memory_model import state_bytes
+    from benchmarks.memory_model import state_bytes
     n = 1_000_000
     for world in (2, 4, 8):
         extra = lambda v, base, **d: state_bytes(v, n, world, **d) - state_bytes(base, n, world, **d)  # noqa: E731
@@ -849,7 +849,7 @@ def test_memory_formula_extras_are_the_readme_sentences():
 
 
 def test_memory_table_compares_each_variant_with_its_own_stock():
-    from ds_acco.bench.memory_model import table
+    from benchmarks.memory_model import table
 
     def summary(variant, mib, n=1 << 20, world=2):
         return {"variants": {variant: {"peak_mem_delta_bytes": mib * 2 ** 20}}, "n_params": n, "world": world,

@@ -4,13 +4,13 @@ One run is one fine-tune, stock ZeRO-1 or ACCO, chosen only by the DeepSpeed con
 Trainer (its ``"acco"`` block). The script itself is an ordinary HF example script: it never imports
 ACCO's engine; ACCO is switched on from outside by ``python -m ds_acco run``::
 
-    python -m ds_acco.bench.finetune config --acco '{"enabled": true}' --out acco.json
-    torchrun --nproc_per_node 2 -m ds_acco run -m ds_acco.bench.finetune train \\
+    python -m benchmarks.finetune config --acco '{"enabled": true}' --out acco.json
+    torchrun --nproc_per_node 2 -m ds_acco run -m benchmarks.finetune train \\
         --deepspeed acco.json --seed 0 --variant acco --pretrained_dir runs/pretrained --record acco-s0.json
-    python -m ds_acco.bench.finetune summarize runs/records/*.json --baseline stock
+    python -m benchmarks.finetune summarize runs/records/*.json --baseline stock
 
 The task (a stand-in for an AG-News-style topic classifier): passages of ``passage_bytes`` bytes from
-the docstrings of the standard-library modules that :mod:`ds_acco.data` embeds, each labelled with
+the docstrings of the standard-library modules that :mod:`benchmarks.data` embeds, each labelled with
 the topic of its module (:data:`TOPICS`: concurrency, text, numbers, files, language, diagnostics),
 the header line naming the documented object removed. The same number of passages per topic, a fixed
 held-out split. Nothing is downloaded.
@@ -52,7 +52,7 @@ RECORD_TAG = "FINETUNE_RECORD"
 RECORD_VERSION = 1
 
 # Topic -> standard-library modules whose docstrings make up its passages. Every module of
-# ds_acco.data.STDLIB_MODULES belongs to exactly one topic; never reorder (the data would change).
+# benchmarks.data.STDLIB_MODULES belongs to exactly one topic; never reorder (the data would change).
 TOPICS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("concurrency", ("asyncio", "queue", "sched", "threading")),
     ("text", ("argparse", "csv", "difflib", "html", "json", "re", "shlex", "string", "textwrap", "tokenize")),
@@ -119,9 +119,9 @@ WORD = re.compile(r"[a-z]+|[0-9]+|[^\sa-z0-9]")
 
 
 def module_text(module: str) -> str:
-    """The embedded corpus of one module (``ds_acco.data.embedded_corpus``) without the lines that
+    """The embedded corpus of one module (``benchmarks.data.embedded_corpus``) without the lines that
     name the documented objects (``asyncio.Queue.get``): they would give the label away."""
-    from ds_acco.data import embedded_corpus
+    from benchmarks.data import embedded_corpus
 
     header = re.compile(rf"^{re.escape(module)}(\.\w+)*$", re.MULTILINE)
     return header.sub("", embedded_corpus((module,)))
@@ -454,14 +454,14 @@ def train(argv: Sequence[str]) -> dict:
     torch.set_num_threads(1)  # 2 ranks on 2 cores, and the same bits on every run
     args, targs = parse_train_args(argv)
     if targs.deepspeed is None:
-        raise ValueError("--deepspeed CONFIG.json is required (python -m ds_acco.bench.finetune config writes one)")
+        raise ValueError("--deepspeed CONFIG.json is required (python -m benchmarks.finetune config writes one)")
     block = acco_block(targs.deepspeed)
     enabled = acco_enabled(block)
     import ds_acco
     if enabled and not ds_acco.installed():
         raise RuntimeError(f"{targs.deepspeed} enables ACCO but ds_acco is not installed in this process, so the "
                            "Trainer would build stock DeepSpeed: launch through `python -m ds_acco run -m "
-                           "ds_acco.bench.finetune train ...`")
+                           "benchmarks.finetune train ...`")
     variant = args.variant or ("acco" if enabled else "stock")
 
     import logging
@@ -723,7 +723,7 @@ def summarize(argv: Sequence[str]) -> dict:
     """``summarize RECORDS... [--baseline stock] [--order a,b] [--out STEM]``: print the tables (loss gap
     at the end, accuracy, the gap along the run, the estimate's lag); with ``--out``, also write
     ``STEM.md`` and ``STEM.json``."""
-    p = argparse.ArgumentParser(prog="python -m ds_acco.bench.finetune summarize")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.finetune summarize")
     p.add_argument("records", nargs="+")
     p.add_argument("--baseline", default="stock")
     p.add_argument("--order", default=None, help="comma-separated variant names: the tables' column order")
@@ -755,7 +755,7 @@ def summarize(argv: Sequence[str]) -> dict:
 # -- entry point ------------------------------------------------------------------------------------
 def write_config(argv: Sequence[str]) -> dict:
     """``config --acco JSON|null --out PATH``: write :func:`deepspeed_config` with that acco block."""
-    p = argparse.ArgumentParser(prog="python -m ds_acco.bench.finetune config")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.finetune config")
     p.add_argument("--acco", default="null", help="the acco block as JSON; null: stock ZeRO-1")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -774,7 +774,7 @@ def main(argv: Optional[Sequence[str]] = None):
     # the deepspeed launcher puts --local_rank=K first; the Trainer reads the rank from the environment
     argv = [a for a in argv if not a.startswith("--local_rank")]
     if not argv or argv[0] not in COMMANDS:
-        raise SystemExit(f"usage: python -m ds_acco.bench.finetune {{{','.join(COMMANDS)}}} ...\n\n{__doc__}")
+        raise SystemExit(f"usage: python -m benchmarks.finetune {{{','.join(COMMANDS)}}} ...\n\n{__doc__}")
     return COMMANDS[argv[0]](argv[1:])
 
 

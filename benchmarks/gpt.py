@@ -1,5 +1,5 @@
-"""The reference model: a small GPT-2 over bytes, trained by the benchmark (:mod:`ds_acco.bench`),
-the examples and the tests on the corpus of :mod:`ds_acco.data`.
+"""The reference model: a small GPT-2 over bytes, trained by the benchmark (:mod:`benchmarks`),
+the examples and the tests on the corpus of :mod:`benchmarks.data`.
 
     model = CausalLM(seq_len=64)                      # 2 layers x 128, ~0.4M parameters
     loss = model(rows)                                # rows: [batch, seq_len + 1] byte ids
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-VOCAB_SIZE = 256  # byte tokens (ds_acco.data.ByteTokenizer)
+VOCAB_SIZE = 256  # byte tokens (benchmarks.data.ByteTokenizer)
 
 
 def gpt2_config(seq_len: int, n_embd: int = 128, n_layer: int = 2, n_head: int = 4):

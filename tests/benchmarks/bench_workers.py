@@ -1,5 +1,5 @@
-"""The A/B runner's per-rank training loop (ds_acco/bench/worker.py ``run_variant``), run inside
-spawned ranks on an emulated accelerator (tests/bench/test_bench.py)."""
+"""The A/B runner's per-rank training loop (benchmarks/worker.py ``run_variant``), run inside
+spawned ranks on an emulated accelerator (tests/benchmarks/test_bench.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ def variant_records(variants, spec):
     """``run_variant`` for each variant in turn on this rank: its raw records."""
     import deepspeed
     from ds_acco import configs
-    from ds_acco.bench import worker
+    from benchmarks import worker
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -31,8 +31,8 @@ def probe_collective_sizes(spec, stub_timing=False):
     timed call runs once and reports 1 s per repetition, and the overlapped measurement reports
     (0.5 s, 2 s) without running, so the test can check how the probe scales what it timed."""
     import deepspeed
-    from ds_acco.bench import worker
-    from ds_acco.data import micro_batches
+    from benchmarks import worker
+    from benchmarks.data import micro_batches
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -59,11 +59,11 @@ def probe_collective_sizes(spec, stub_timing=False):
 
 
 def fidelity_runs(variants, spec, base_cfg):
-    """``run_variant`` on the embedded corpus (what ds_acco.bench.multirun reads), each variant with
+    """``run_variant`` on the embedded corpus (what benchmarks.multirun reads), each variant with
     ``base_cfg`` (its acco.estimate applies to ACCO's variants): this rank's raw records."""
     import deepspeed
-    from ds_acco.bench import worker
-    from ds_acco.data import build_splits
+    from benchmarks import worker
+    from benchmarks.data import build_splits
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,6 +1,6 @@
 """A traced timeline of the compute lane and the communication lane: stock ZeRO-1 vs ACCO.
 
-    python -m ds_acco.bench timeline --rate 1gbit --gas 4 --steps 3 --out docs/timeline.png
+    python -m benchmarks timeline --rate 1gbit --gas 4 --steps 3 --out docs/timeline.png
 
 Runs 2 ranks (the emulated cluster when root, loopback otherwise), trains the benchmark GPT for a
 few optimizer steps with stock ZeRO-1 and then with ACCO (fixed), records on rank 0 when each
@@ -23,8 +23,8 @@ def _trace_variant(variant: str, spec: dict, base_cfg: dict, rows, rank: int, wo
     import torch
 
     import ds_acco
-    from ds_acco.data import micro_batches
-    from ds_acco.gpt import param_groups
+    from benchmarks.data import micro_batches
+    from benchmarks.gpt import param_groups
 
     from .worker import build_model, variant_config
     cfg = variant_config(base_cfg, variant, spec)
@@ -86,7 +86,7 @@ def worker_main(spec_path: str) -> None:
     import torch.distributed as dist
     from deepspeed.utils import logger as ds_logger
 
-    from ds_acco.data import build_splits
+    from benchmarks.data import build_splits
     with open(spec_path) as f:
         spec = json.load(f)
     torch.set_num_threads(1)
@@ -137,9 +137,9 @@ def plot(traces, path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    from .. import configs
+    from ds_acco import configs
     from . import cluster
-    ap = argparse.ArgumentParser(prog="python -m ds_acco.bench timeline", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="1gbit", help="link rate on the emulated cluster (root only)")
     ap.add_argument("--gas", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        argv_w = [sys.executable, "-m", "ds_acco.bench.timeline", "--worker", spec_path]
+        argv_w = [sys.executable, "-m", "benchmarks.timeline", "--worker", spec_path]
         common = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # the rest of the environment is inherited
         if cluster.is_root():
             with cluster.Cluster(2, args.rate, prefix="accotl", subnet=251) as cl:
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
              f"{args.steps} steps")
     plot(traces, args.out, title)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump({"command": "python -m ds_acco.bench timeline " + " ".join(argv or sys.argv[1:]),
+        json.dump({"command": "python -m benchmarks timeline " + " ".join(argv or sys.argv[1:]),
                    "setup": title, "traces": traces}, f)
     print(f"wrote {args.out}")
     return 0

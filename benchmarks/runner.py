@@ -1,8 +1,8 @@
 """The A/B runner: stock ZeRO-1 vs ACCO fixed vs ACCO dynamic vs DPU on one model, data order,
 seed and global batch, on the emulated cluster (root) or on loopback.
 
-:func:`run_ab` writes the spec, launches one :mod:`ds_acco.bench.worker` per rank, and turns
-the ranks' raw records into a summary (:func:`summarize`), which :mod:`ds_acco.bench.report`
+:func:`run_ab` writes the spec, launches one :mod:`benchmarks.worker` per rank, and turns
+the ranks' raw records into a summary (:func:`summarize`), which :mod:`benchmarks.report`
 writes as JSON, Markdown and PNG plots. :func:`plan` is the dry run: what would be launched,
 resolved and checked. The bookkeeping functions here are pure (raw dicts in, numbers out) so
 they are unit-tested without launching anything.
@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .. import configs
+from ds_acco import configs
 from . import advisor, cluster
 from .worker import VARIANTS, check_fsdp_config, is_fsdp, mode_of, variant_config
 
@@ -152,7 +152,7 @@ def _spec_path(raw_out: str) -> str:
 
 def worker_argv(spec_path: str) -> List[str]:
     """One rank's command: the installed worker module under this interpreter."""
-    return [sys.executable, "-m", "ds_acco.bench.worker", spec_path]
+    return [sys.executable, "-m", "benchmarks.worker", spec_path]
 
 
 def rank_launches(spec: ABSpec, argv: Sequence[str], *, cl: Optional[cluster.Cluster] = None,
@@ -167,7 +167,7 @@ def rank_launches(spec: ABSpec, argv: Sequence[str], *, cl: Optional[cluster.Clu
 def check_variant_config(variant: str, cfg: dict) -> None:
     """What each rank would refuse at start-up, found before anything is launched: the acco block,
     and DeepSpeed's own parse (DeepSpeed variants) or the FSDP variants' limits."""
-    from ..config import acco_config_of, check_deepspeed_compat
+    from ds_acco.config import acco_config_of, check_deepspeed_compat
     try:
         acco = acco_config_of(cfg)
         if is_fsdp(variant):
@@ -348,7 +348,7 @@ def heldout_curve(run: dict, tokens: Dict[int, int]) -> List[dict]:
 
 def time_to_target(points: Sequence[dict], target: Optional[float]) -> Optional[float]:
     """Training time at which the held-out curve first reaches ``target``, interpolated between
-    the evaluations around the crossing as ``python -m ds_acco.bench ttt`` does (None: never)."""
+    the evaluations around the crossing as ``python -m benchmarks ttt`` does (None: never)."""
     if target is None:
         return None
     from .report import crossing_time
@@ -356,7 +356,7 @@ def time_to_target(points: Sequence[dict], target: Optional[float]) -> Optional[
 
 
 def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
-    """Per-variant figures (see the module docstring of :mod:`ds_acco.bench`) from the raw records."""
+    """Per-variant figures (see the module docstring of :mod:`benchmarks`) from the raw records."""
     ws = raw["spec"]
     world, gas = ws["world"], ws["gas"]
     warmup = spec.warmup if spec is not None else ws.get("warmup", 1)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from ds_acco import data
+from benchmarks import data
 
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 
@@ -18,7 +18,7 @@ def test_embedded_corpus_is_deterministic_and_sizeable():
     import subprocess
     import sys
     a = data.embedded_corpus.__wrapped__()  # not the cache: computed here, now
-    code = "import hashlib; from ds_acco.data import embedded_corpus; print(hashlib.md5(embedded_corpus().encode()).hexdigest())"
+    code = "import hashlib; from benchmarks.data import embedded_corpus; print(hashlib.md5(embedded_corpus().encode()).hexdigest())"
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
     assert hashlib.md5(a.encode()).hexdigest() == fresh and len(a) > 100_000
 

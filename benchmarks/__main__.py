@@ -1,4 +1,4 @@
-"""``python -m ds_acco.bench {cluster-test,ab,advise,summarize}`` (see ``--help`` of each)."""
+"""``python -m benchmarks {cluster-test,ab,advise,summarize}`` (see ``--help`` of each)."""
 from __future__ import annotations
 
 import argparse
@@ -42,7 +42,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     p.add_argument("--emulate-compute-s", default=None,
                    help="accelerator emulation: seconds of waiting (no CPU) per training micro-batch's forward + "
                         "backward, one value or one per rank comma-separated; results are labelled EMULATION "
-                        "(see ds_acco/bench/emulation.py); needs --emulate-params")
+                        "(see benchmarks/emulation.py); needs --emulate-params")
     p.add_argument("--emulate-params", type=float, default=None,
                    help="accelerator emulation: parameters the rounds carry (e.g. 125e6); the loss comes from a "
                         "small GPT (--n-embd/--n-layer/--n-head), the rest is a zero-gradient bulk parameter")
@@ -122,7 +122,7 @@ def cmd_cluster_test(a) -> int:
     rates = a.rate.split(",") if a.rate and "," in a.rate else a.rate
     with cluster.Cluster(a.nodes, rates, prefix=a.prefix, subnet=a.subnet) as cl:
         print(f"cluster: {cl.describe()}", flush=True)
-        argv = [sys.executable, "-m", "ds_acco.bench.nettest", "--mbytes", str(a.mbytes)]
+        argv = [sys.executable, "-m", "benchmarks.nettest", "--mbytes", str(a.mbytes)]
         envs = [{**cl.rank_env(r, 29400), "OMP_NUM_THREADS": "1"} for r in range(a.nodes)]
         outs = cluster.launch([cl.wrap(r, argv) for r in range(a.nodes)], envs, timeout_s=a.timeout)
     results = [json.loads(next(line for line in o.splitlines() if line.startswith("{"))) for o in outs]
@@ -153,7 +153,7 @@ def cmd_ab(a) -> int:
     spec = _spec(a)
     if a.dry_run:
         return _print_plan(spec, a.out)
-    summary = runner.run_ab(spec, a.out, command="python -m ds_acco.bench " + shlex.join(sys.argv[1:]))
+    summary = runner.run_ab(spec, a.out, command="python -m benchmarks " + shlex.join(sys.argv[1:]))
     return 0 if summary["variants"] else 1
 
 
@@ -214,7 +214,7 @@ def cmd_fidelity(a) -> int:
 
 
 def cmd_memory_table(a) -> int:
-    from ds_acco.bench import memory_model
+    from benchmarks import memory_model
     summaries = _summaries(a.paths)
     if not summaries:
         print("no summaries found", file=sys.stderr)
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["timeline"]:  # its own parser: a traced run drawn as compute / communication lanes
         from .timeline import main as timeline_main
         return timeline_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m ds_acco.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cluster-test", help="root: build an emulated cluster, check isolation and bandwidth, "
                        "tear it down")
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     ad.add_argument("--label", default=None)
     ad.set_defaults(fn=cmd_advise)
     sub.add_parser("timeline", help="trace compute and communication lanes of stock ZeRO-1 and ACCO into a PNG "
-                   "(see python -m ds_acco.bench timeline --help)")
+                   "(see python -m benchmarks timeline --help)")
     def from_summaries(name: str, fn, help: str, paths_help: str = "summary JSON files or globs (<label>.json)"):
         """A subcommand that reads A/B summaries and writes into --out."""
         sp = sub.add_parser(name, help=help)

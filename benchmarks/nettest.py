@@ -1,4 +1,4 @@
-"""One rank of ``python -m ds_acco.bench cluster-test``: checks one node of the emulated cluster.
+"""One rank of ``python -m benchmarks cluster-test``: checks one node of the emulated cluster.
 
 Prints one JSON line: the rank's interface address, whether its namespace has a default route
 (it must not), the time of a ``--mbytes`` all-reduce over gloo and the bandwidth it implies.

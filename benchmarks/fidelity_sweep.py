@@ -3,9 +3,9 @@ estimate variants x paired seeds through :func:`multirun.run_group`, most import
 the results file is rewritten after every group (a run stopped at its time limit keeps the groups
 it finished).
 
-    python -m ds_acco.bench.fidelity_sweep OUT.json [--device cuda] [--budget-s 420] [--tiny]
-    python -m ds_acco.bench.fidelity_sweep --table OUT.json      # the table of docs/bench/fidelity-sweep-h200
-    python -m ds_acco.bench.fidelity_sweep OUT.json --short --budget-s 7200   # the 300-step horizon (CPU)
+    python -m benchmarks.fidelity_sweep OUT.json [--device cuda] [--budget-s 420] [--tiny]
+    python -m benchmarks.fidelity_sweep --table OUT.json      # the table of docs/bench/fidelity-sweep-h200
+    python -m benchmarks.fidelity_sweep OUT.json --short --budget-s 7200   # the 300-step horizon (CPU)
 """
 import argparse
 import json

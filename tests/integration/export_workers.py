@@ -17,7 +17,7 @@ import torch
 
 import ds_acco
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = 2  # token rows per micro-batch
 
 

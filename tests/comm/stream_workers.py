@@ -1,11 +1,11 @@
 """Rank workers that train through the real engines with the recording accelerator as the lane's
-device API (tests/core/test_stream_protocol.py)."""
+device API (tests/comm/test_stream_protocol.py)."""
 from __future__ import annotations
 
 import torch
 
 import ds_acco
-from ds_acco.comm.recording import RecordingAccelerator
+from ds_acco.testing.recording import RecordingAccelerator
 from fixtures import TinyNet, batch, ds_config, make_optimizer
 
 LANE_THREAD = "acco-comm"

@@ -29,11 +29,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ds_acco.gpt import CausalLM
+from benchmarks.gpt import CausalLM
 
 
 class EmulatedLM(CausalLM):
-    """A :class:`~ds_acco.gpt.CausalLM` of ``params`` parameters whose training forward +
+    """A :class:`~benchmarks.gpt.CausalLM` of ``params`` parameters whose training forward +
     backward take ``compute_s`` seconds of wall time, nearly all of it a wait.
 
     A third of the wait ends the forward and two thirds start the backward (the usual 1 : 2

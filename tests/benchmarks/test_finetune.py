@@ -1,4 +1,4 @@
-"""The short fine-tune fidelity bench (ds_acco/bench/finetune.py, scripts/finetune_fidelity.sh): the
+"""The short fine-tune fidelity bench (benchmarks/finetune.py, scripts/finetune_fidelity.sh): the
 table's arithmetic and refusals, the task's split, and (slow) the driver end to end at a tiny size:
 stock and ACCO under the real HF Trainer on 2 ranks, each writing the record the table reads."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds_acco.bench import finetune as ft
+from benchmarks import finetune as ft
 
 from dist import communicate
 from timeouts import scaled

@@ -1,6 +1,6 @@
-"""One rank of an A/B run (launched by :mod:`ds_acco.bench.runner`, one process per rank).
+"""One rank of an A/B run (launched by :mod:`benchmarks.runner`, one process per rank).
 
-    python -m ds_acco.bench.worker SPEC.json
+    python -m benchmarks.worker SPEC.json
 
 Reads the run's spec (written by the runner), then on every rank:
   1. **probe** (no training): compute-only time per micro-batch for this model and micro-batch,
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ds_acco.gpt import CausalLM, heldout_loss, param_groups
+from benchmarks.gpt import CausalLM, heldout_loss, param_groups
 
 LR_RULES = ("sqrt", "linear")  # dynamic_<rule>: acco.dynamic.lr_scaling = <rule>
 DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu", "shared")
@@ -70,8 +70,8 @@ def is_fsdp(variant: str) -> bool:
 
 # -- model ---------------------------------------------------------------------------------------
 def build_model(spec: dict, rank: int = 0) -> CausalLM:
-    """The reference GPT (:mod:`ds_acco.gpt`) at the spec's size, from the spec's seed; with
-    ``spec['emulate']``, the accelerator stand-in of :mod:`ds_acco.bench.emulation` instead."""
+    """The reference GPT (:mod:`benchmarks.gpt`) at the spec's size, from the spec's seed; with
+    ``spec['emulate']``, the accelerator stand-in of :mod:`benchmarks.emulation` instead."""
     torch.manual_seed(spec["seed"])  # same initial weights in every variant
     m = spec["model"]
     emulate = spec.get("emulate")
@@ -474,7 +474,7 @@ class Slowdown:
 def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_rows, rank: int, world: int,
                 say) -> dict:
     """Train one variant for ``spec['steps']`` committed steps; this rank's raw records."""
-    from ds_acco.data import heldout_batches, micro_batches
+    from benchmarks.data import heldout_batches, micro_batches
 
     cfg = variant_config(base_cfg, variant, spec)
     gas, steps = spec["gas"], spec["steps"]
@@ -579,7 +579,7 @@ def main(argv=None) -> None:
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
-    from ds_acco.data import build_splits, micro_batches
+    from benchmarks.data import build_splits, micro_batches
 
     ds_logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)

@@ -1,7 +1,7 @@
 """Ranks that trace what the schedule does, per micro-batch and per round, through the real DeepSpeed
 engine (tests/deepspeed/test_shared.py: accumulation 'shared' at equal shares does what fixed does).
 
-The trace is the recording accelerator's log (ds_acco/comm/recording.py: the lane's stream
+The trace is the recording accelerator's log (ds_acco/testing/recording.py: the lane's stream
 protocol, and every host read of a tensor value, as on an asynchronous device), with these entries
 added, each on the thread that did it:
   * ``collective``: a call of :mod:`ds_acco.comm.collectives` (every collective ACCO issues goes
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import ds_acco
 from ds_acco.comm import collectives
-from ds_acco.comm.recording import Entry, RecordingAccelerator
+from ds_acco.testing.recording import Entry, RecordingAccelerator
 from fixtures import TinyNet, batch, ds_config, make_optimizer
 from stream_workers import LANE_THREAD, adam_step_counts
 

@@ -1,5 +1,5 @@
-"""The fidelity sweep's single-process simulator (ds_acco/bench/multirun.py) equals the 2-rank runs it
-stands for: the A/B runner's own training loop (ds_acco.bench.worker.run_variant: DeepSpeed ZeRO-1,
+"""The fidelity sweep's single-process simulator (benchmarks/multirun.py) equals the 2-rank runs it
+stands for: the A/B runner's own training loop (benchmarks.worker.run_variant: DeepSpeed ZeRO-1,
 ACCO fixed with the paper's estimate and with the look-ahead one) on the same corpus, seed, model,
 schedule and evaluations. Held-out losses agree to float32 rounding -- far closer than the variants
 are to each other -- so the sweep's numbers are the library's."""
@@ -45,7 +45,7 @@ def library():
 
 @pytest.fixture(scope="module")
 def simulated():
-    from ds_acco.bench import multirun
+    from benchmarks import multirun
     s = multirun.Setting(n_embd=32, n_layer=1, n_head=2, seq_len=32, micro_batch=4, gas=4, world=2, steps=SPEC["steps"],
                          warmup=2, lr=LR, eval_every=SPEC["eval_every"], eval_batches=SPEC["eval_batches"])
     runs = multirun.run_group(s, [("stock", 0), ("paper", 0), ("la2", 0)])

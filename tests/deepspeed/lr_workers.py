@@ -25,7 +25,7 @@ def _engine(case):
     cfg = ds_config(case.get("gas", 4), case.get("acco"), **extra)
     if case.get("fp16"):
         # DeepSpeed refuses fp16 where oneDNN lacks fp16 kernels; torch's CPU fp16 kernels run this
-        # tiny model, so stock's real overflow skip can be compared (as tests/workers.py does)
+        # tiny model, so stock's real overflow skip can be compared (as tests/deepspeed/workers.py does)
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
     opt = make_optimizer(case.get("optimizer", "adamw"))(model)

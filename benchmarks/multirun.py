@@ -1,7 +1,7 @@
 """Many training runs of the reference GPT at once, one slice of stacked parameters per run (the
-fidelity sweep of docs/bench/fidelity-sweep-h200, ``python -m ds_acco.bench.fidelity_sweep``):
+fidelity sweep of docs/bench/fidelity-sweep-h200, ``python -m benchmarks.fidelity_sweep``):
 stock ZeRO-1 and ACCO's recurrences (shared/ACCO.md, fixed mode) with estimate variants, for the
-fidelity sweep. Each run is the same computation as a 2-rank job of ds_acco.bench (same initial
+fidelity sweep. Each run is the same computation as a 2-rank job of benchmarks (same initial
 weights from the same seed, the same per-rank micro-batch streams, the same DeepSpeed
 WarmupCosineLR and AdamW), with the micro-batch gradients of a half pooled into one mean.
 
@@ -74,7 +74,7 @@ class Setting:
 
 
 class Stack:
-    """R GPT-2s (transformers' GPT2LMHeadModel layout, ds_acco.gpt.CausalLM) as stacked tensors."""
+    """R GPT-2s (transformers' GPT2LMHeadModel layout, benchmarks.gpt.CausalLM) as stacked tensors."""
 
     NAMES = None
 
@@ -153,14 +153,14 @@ def lr_schedule(s: Setting) -> List[float]:
 
 @functools.lru_cache(maxsize=2)
 def _splits(seq_len: int):
-    from ds_acco.data import build_splits
+    from benchmarks.data import build_splits
     return build_splits("embedded", seq_len=seq_len, holdout=0.02, seed=0)
 
 
 def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> List[dict]:
     """Train every (variant name, seed) of ``runs`` under ``setting``; their records."""
-    from ds_acco.data import heldout_batches, micro_batches
-    from ds_acco.gpt import CausalLM
+    from benchmarks.data import heldout_batches, micro_batches
+    from benchmarks.gpt import CausalLM
     s = setting
     dev = torch.device(device)
     R = len(runs)
@@ -169,13 +169,13 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
     train_rows, held = _splits(s.seq_len)
     models = []
     for seed in seeds:
-        torch.manual_seed(seed)  # ds_acco.bench.worker.build_model: same initial weights per seed
+        torch.manual_seed(seed)  # benchmarks.worker.build_model: same initial weights per seed
         models.append(CausalLM(s.seq_len, s.n_embd, s.n_layer, s.n_head))
     st = Stack(models, dev)
     del models
     names = st.names
-    decay = {n: st.p[n].dim() >= 3 for n in names}  # ds_acco.gpt.param_groups: matrices only
-    # data: per seed, each rank's stream (ds_acco.data.micro_batches), gas micro-batches per step
+    decay = {n: st.p[n].dim() >= 3 for n in names}  # benchmarks.gpt.param_groups: matrices only
+    # data: per seed, each rank's stream (benchmarks.data.micro_batches), gas micro-batches per step
     h = s.gas // 2
     idx_by_seed = {}
     for seed in sorted(set(seeds)):
@@ -284,7 +284,7 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
     return out
 
 
-if __name__ == "__main__":  # a quick look: python -m ds_acco.bench.multirun --steps 20 --variants stock,paper
+if __name__ == "__main__":  # a quick look: python -m benchmarks.multirun --steps 20 --variants stock,paper
     import argparse
     import json
     import time

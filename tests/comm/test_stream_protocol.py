@@ -1,5 +1,5 @@
 """The lane's stream protocol on an asynchronous device, checked on CPU with the recording
-accelerator (ds_acco/comm/recording.py): every cross-stream access ordered, waits on the device,
+accelerator (ds_acco/testing/recording.py): every cross-stream access ordered, waits on the device,
 streams on the lane's device, host synchronisations counted."""
 import gc
 import threading
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_acco.comm.lane import CommLane, CommRoundError
-from ds_acco.comm.recording import RecordingAccelerator
+from ds_acco.testing.recording import RecordingAccelerator
 from dist import run_ranks
 import stream_workers
 
@@ -274,7 +274,7 @@ def test_the_race_check_catches_a_block_reused_before_the_reader_was_waited_for(
 
 def test_blocking_copies_between_host_and_device_are_host_syncs():
     # On a real device the recorder counts these (meta stands in for the device here).
-    from ds_acco.comm.recording import _blocking_transfer
+    from ds_acco.testing.recording import _blocking_transfer
     host, dev = torch.ones(4), torch.empty(4, device="meta")
     to_copy, copy_ = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
     assert _blocking_transfer(to_copy, (host,), {"device": torch.device("meta")}, dev)  # pageable H2D
