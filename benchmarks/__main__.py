@@ -9,7 +9,7 @@ import shlex
 import signal
 import sys
 
-from . import advisor, cluster, report, runner
+from . import advisor, advisor_check, cluster, report, report_quality, report_sweep, runner
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> None:
@@ -70,7 +70,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
 
 def parse_variants(text: str) -> tuple:
     """``stock,fixed,...``; ``all`` = every variant, ``deepspeed`` / ``fsdp`` = one framework's four."""
-    from .worker import DS_VARIANTS, FSDP_VARIANTS
+    from .variants import DS_VARIANTS, FSDP_VARIANTS
     groups = {"all": DS_VARIANTS + FSDP_VARIANTS, "deepspeed": DS_VARIANTS, "fsdp": FSDP_VARIANTS}
     out = []
     for v in (v.strip() for v in text.split(",")):
@@ -192,17 +192,17 @@ def cmd_summarize(a) -> int:
 
 
 def cmd_sweep(a) -> int:
-    return _write_from_summaries(a, report.write_sweep)
+    return _write_from_summaries(a, report_sweep.write_sweep)
 
 
 def cmd_ttt(a) -> int:
-    return _write_from_summaries(a, lambda summaries, out: report.write_time_to_target(
+    return _write_from_summaries(a, lambda summaries, out: report_quality.write_time_to_target(
         summaries, out, stem=a.stem, target=a.target_loss))
 
 
 def cmd_fidelity(a) -> int:
-    res = report.tail_fidelity(_summaries(a.paths), tail=a.tail)
-    text = report.tail_fidelity_markdown(res)
+    res = report_quality.tail_fidelity(_summaries(a.paths), tail=a.tail)
+    text = report_quality.tail_fidelity_markdown(res)
     print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -230,7 +230,7 @@ def cmd_memory_table(a) -> int:
 
 def cmd_advisor_check(a) -> int:
     summaries = _summaries(a.paths)
-    res = advisor.out_of_sample(summaries, contention=a.contention)
+    res = advisor_check.out_of_sample(summaries, contention=a.contention)
     if not res["rows"]:
         print("no two runs of the same setup: nothing to predict out of sample", file=sys.stderr)
         return 1

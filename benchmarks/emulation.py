@@ -1,4 +1,4 @@
-"""Accelerator emulation for the A/B runner: compute that costs wall time but no CPU.
+"""Emulation for the A/B runner: accelerator compute that costs wall time but no CPU, and slow ranks.
 
 On a CPU-only host a round's CPU work (gloo's copies and reductions, the shard optimizer step)
 competes with the compute it overlaps, so CPU benchmarks cannot show what ACCO does on GPUs,
@@ -24,6 +24,8 @@ fidelity runs at equal tokens are for.
 """
 from __future__ import annotations
 
+import math
+import random
 import time
 from typing import Optional, Sequence, Union
 
@@ -94,3 +96,40 @@ def describe(params: Optional[int], compute_s) -> str:
            else "/".join(f"{c:g}" for c in compute_s) + " s (per rank)")
     return (f"EMULATION: accelerator stand-in, {per} of waiting per training micro-batch (forward + backward, no "
             f"CPU), real gradients and rounds of a {params / 1e6:.1f}M-parameter model over the network shown")
+
+
+# -- heterogeneous ranks -----------------------------------------------------------------------------
+def slow_down(factor: float, elapsed: float) -> None:
+    """Heterogeneous runs: stretch this rank's micro-batch to ``factor`` x its compute time
+    (sleeping, so the slow rank does not also steal CPU from the fast ones)."""
+    if factor > 1.0:
+        time.sleep((factor - 1.0) * elapsed)
+
+
+class Slowdown:
+    """The slow rank's factor for each micro-batch (EMULATION of heterogeneous hardware): the spec's
+    ``slow_factor``; times a lognormal jitter of ``slow_jitter`` = σ per micro-batch (mean 1, seeded
+    per rank, the same sequence in every variant: a straggler whose speed varies); times
+    ``transient['factor']`` while the committed steps are in ``[start, start + fraction)`` of the
+    run (a throttled GPU or a noisy neighbour for part of the run). Other ranks: 1."""
+
+    def __init__(self, spec: dict, rank: int):
+        self.slow = rank == spec.get("slow_rank", -1)
+        self.factor = float(spec.get("slow_factor", 1.0))
+        self.sigma = float(spec.get("slow_jitter", 0.0) or 0.0)
+        t = spec.get("transient") or {}
+        steps = spec["steps"]
+        first = round(t.get("start", 0.4) * steps)
+        self.window = (first, first + max(1, round(t.get("fraction", 0.2) * steps)))  # committed steps
+        self.transient = float(t.get("factor", 1.0))
+        self.rng = random.Random(spec.get("seed", 0) * 7919 + rank)
+
+    def __call__(self, step: int) -> float:
+        if not self.slow:
+            return 1.0
+        f = self.factor
+        if self.sigma > 0:
+            f *= math.exp(self.rng.gauss(-self.sigma ** 2 / 2, self.sigma))
+        if self.transient != 1.0 and self.window[0] <= step < self.window[1]:
+            f *= self.transient
+        return f

@@ -62,7 +62,7 @@ def table(summaries, order=None) -> str:
     fp32 AdamW). ``order``: the variants' row order (default: as first seen)."""
     import statistics
 
-    from benchmarks.runner import baseline  # the stock run each variant is compared with, as the A/B report does
+    from benchmarks.summary import baseline  # the stock run each variant is compared with, as the A/B report does
 
     MiB = 2 ** 20
     peaks: Dict[str, list] = {}

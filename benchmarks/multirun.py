@@ -169,7 +169,7 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
     train_rows, held = _splits(s.seq_len)
     models = []
     for seed in seeds:
-        torch.manual_seed(seed)  # benchmarks.worker.build_model: same initial weights per seed
+        torch.manual_seed(seed)  # benchmarks.variants.build_model: same initial weights per seed
         models.append(CausalLM(s.seq_len, s.n_embd, s.n_layer, s.n_head))
     st = Stack(models, dev)
     del models

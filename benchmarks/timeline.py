@@ -26,7 +26,7 @@ def _trace_variant(variant: str, spec: dict, base_cfg: dict, rows, rank: int, wo
     from benchmarks.data import micro_batches
     from benchmarks.gpt import param_groups
 
-    from .worker import build_model, variant_config
+    from .variants import build_model, variant_config
     cfg = variant_config(base_cfg, variant, spec)
     model = build_model(spec)
     opt = torch.optim.AdamW(param_groups(model), lr=1e-3, betas=(0.9, 0.95))

@@ -26,12 +26,12 @@ def variant_records(variants, spec):
 
 
 def probe_collective_sizes(spec, stub_timing=False):
-    """``worker.probe`` on this rank with torch.distributed's collectives recorded: the probe's
+    """``probe.probe`` on this rank with torch.distributed's collectives recorded: the probe's
     result and the largest tensor any collective was handed (elements). ``stub_timing``: every
     timed call runs once and reports 1 s per repetition, and the overlapped measurement reports
     (0.5 s, 2 s) without running, so the test can check how the probe scales what it timed."""
     import deepspeed
-    from benchmarks import worker
+    from benchmarks import probe
     from benchmarks.data import micro_batches
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -50,11 +50,11 @@ def probe_collective_sizes(spec, stub_timing=False):
         def timed(fn, reps):
             fn()
             return [1.0] * reps
-        worker._timed = timed
-        worker.overlapped = lambda micro, one_round, rounds: (0.5, 2.0)
+        probe._timed = timed
+        probe.overlapped = lambda micro, one_round, rounds: (0.5, 2.0)
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 256, (64, spec["seq_len"] + 1), generator=g)
-    result = worker.probe(spec, micro_batches(rows, spec["micro_batch"], rank, world), rank, world)
+    result = probe.probe(spec, micro_batches(rows, spec["micro_batch"], rank, world), rank, world)
     return result, largest[0]
 
 

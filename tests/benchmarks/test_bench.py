@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from benchmarks import advisor, cluster, report, runner
+from benchmarks import advisor, advisor_check, cluster, report, report_quality, report_sweep, runner
+from benchmarks.summary import baseline, boundary_positions, heterogeneity_note, steady_steps, summarize
 
 import prebuild
 from timeouts import scaled
@@ -153,7 +154,7 @@ def test_advise_uses_the_round_measured_beside_compute():
 
 def test_probe_runs_rounds_beside_compute_and_measures_both():
     import threading
-    from benchmarks import worker
+    from benchmarks import probe
     events = []
 
     def micro():
@@ -164,7 +165,7 @@ def test_probe_runs_rounds_beside_compute_and_measures_both():
         events.append(("round", threading.current_thread().name))
         time.sleep(0.02)
 
-    mb, rnd = worker.overlapped(micro, one_round, 3, barrier=lambda: None)
+    mb, rnd = probe.overlapped(micro, one_round, 3, barrier=lambda: None)
     rounds = [i for i, e in enumerate(events) if e[0] == "round"]
     assert len(rounds) == 3 and {events[i][1] for i in rounds} == {"probe-rounds"}  # on a side thread
     assert any(e == ("micro", "MainThread") for e in events[rounds[0]:rounds[-1]])  # compute ran meanwhile
@@ -174,18 +175,18 @@ def test_probe_runs_rounds_beside_compute_and_measures_both():
         raise MemoryError("out of memory")
     events.clear()
     with pytest.raises(MemoryError):
-        worker.overlapped(failing_micro, one_round, 3, barrier=lambda: None)
+        probe.overlapped(failing_micro, one_round, 3, barrier=lambda: None)
     assert [e[0] for e in events] == ["round"] * 3  # the side thread was joined: no collective left running
     assert not any(t.name == "probe-rounds" for t in threading.enumerate())
 
     def broken():
         raise RuntimeError("gloo says no")
     with pytest.raises(RuntimeError, match="gloo says no"):  # a failed round fails the probe
-        worker.overlapped(micro, broken, 2, barrier=lambda: None)
+        probe.overlapped(micro, broken, 2, barrier=lambda: None)
 
 
 def test_seconds_per_item_counts_partial_items():
-    from benchmarks.worker import seconds_per_item
+    from benchmarks.probe import seconds_per_item
     assert seconds_per_item([(0, 1), (1, 2), (2, 3)], 0, 3) == pytest.approx(1.0)
     # a window inside one item of 4 s: a quarter of it is done in 1 s
     assert seconds_per_item([(0, 4)], 1, 2) == pytest.approx(4.0)
@@ -196,7 +197,7 @@ def test_seconds_per_item_counts_partial_items():
 
 
 def test_validate_reports_relative_errors():
-    val = advisor.validate([
+    val = advisor_check.validate([
         {"mode": "stock", "measured_step_s": 2.0, "predicted_step_s": 2.2},
         {"mode": "fixed", "measured_step_s": 1.0, "predicted_step_s": 0.9},
         {"mode": "dpu", "measured_step_s": None, "predicted_step_s": 1.0},  # skipped
@@ -273,11 +274,11 @@ def _raw(gas=4, steps=5, world=2, fsdp=False):
 
 def test_steady_steps_skip_warmup_and_drained():
     commits = [{"step": s, "drained": s == 5} for s in range(1, 6)]
-    assert [c["step"] for c in runner.steady_steps(commits, warmup=1)] == [2, 3, 4]
+    assert [c["step"] for c in steady_steps(commits, warmup=1)] == [2, 3, 4]
 
 
 def test_summarize_bookkeeping():
-    s = runner.summarize(_raw(), runner.ABSpec(warmup=1))
+    s = summarize(_raw(), runner.ABSpec(warmup=1))
     v = s["variants"]
     tok = 4 * 2 * 4 * 32  # gas x world x micro-batch tokens
     assert v["stock"]["step_s"] == pytest.approx(0.9)
@@ -309,7 +310,7 @@ def test_summarize_bookkeeping():
 
 
 def test_summarize_compares_fsdp_variants_with_stock_fsdp():
-    s = runner.summarize(_raw(fsdp=True), runner.ABSpec(warmup=1))
+    s = summarize(_raw(fsdp=True), runner.ABSpec(warmup=1))
     v = s["variants"]
     assert v["fsdp_stock"]["framework"] == "fsdp2" and v["fsdp_stock"]["mode"] == "stock"
     assert v["fsdp_fixed"]["baseline"] == "fsdp_stock" and v["fixed"]["baseline"] == "stock"
@@ -325,36 +326,36 @@ def test_summarize_compares_fsdp_variants_with_stock_fsdp():
     # FSDP2 variants without stock FSDP2: compared with stock ZeRO-1
     raw = _raw(fsdp=True)
     raw["runs"] = [r for r in raw["runs"] if r["variant"] != "fsdp_stock"]
-    assert runner.summarize(raw, runner.ABSpec(warmup=1))["variants"]["fsdp_fixed"]["speedup_step"] == \
+    assert summarize(raw, runner.ABSpec(warmup=1))["variants"]["fsdp_fixed"]["speedup_step"] == \
         pytest.approx(0.9 / 0.8)
 
 
 def test_boundary_positions():
-    assert runner.boundary_positions("stock", 4) == {3}
-    assert runner.boundary_positions("fsdp_stock", 4) == {0, 3}
-    assert runner.boundary_positions("fsdp_stock", 2) == {0, 1}  # every micro-batch communicates
-    assert runner.boundary_positions("fsdp_fixed", 4) == set() == runner.boundary_positions("dynamic", 4)
+    assert boundary_positions("stock", 4) == {3}
+    assert boundary_positions("fsdp_stock", 4) == {0, 3}
+    assert boundary_positions("fsdp_stock", 2) == {0, 1}  # every micro-batch communicates
+    assert boundary_positions("fsdp_fixed", 4) == set() == boundary_positions("dynamic", 4)
 
 
 def test_variant_lists_and_unknown_variants():
     from benchmarks.__main__ import main, parse_variants
     assert parse_variants("stock,fsdp") == ("stock", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
-    from benchmarks import worker
-    assert parse_variants("all") == worker.DS_VARIANTS + worker.FSDP_VARIANTS  # the LR-rule variants by name only
-    assert parse_variants("dynamic_sqrt") == ("dynamic_sqrt",) and worker.mode_of("dynamic_linear") == "dynamic"
+    from benchmarks import variants
+    assert parse_variants("all") == variants.DS_VARIANTS + variants.FSDP_VARIANTS  # the LR-rule variants by name only
+    assert parse_variants("dynamic_sqrt") == ("dynamic_sqrt",) and variants.mode_of("dynamic_linear") == "dynamic"
     with pytest.raises(ValueError, match="fsdp_acco"):
         runner.ABSpec(variants=("stock", "fsdp_acco"))
     assert main(["ab", "--network", "loopback", "--variants", "stock,fixd"]) == 2
-    from benchmarks import worker
+    from benchmarks import variants
     for block in ({"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}, {"scheduler": {"type": "WarmupLR"}}):
         with pytest.raises(ValueError, match=next(iter(block))):
-            worker.check_fsdp_config(block)
-    worker.check_fsdp_config({"bf16": {"enabled": False}})
+            variants.check_fsdp_config(block)
+    variants.check_fsdp_config({"bf16": {"enabled": False}})
 
 
 def worker_variants():
-    from benchmarks import worker
-    return worker.VARIANTS
+    from benchmarks import variants
+    return variants.VARIANTS
 
 
 def test_spec_names_and_worker_spec(tmp_path):
@@ -367,29 +368,29 @@ def test_spec_names_and_worker_spec(tmp_path):
 
 
 def test_variant_configs_differ_only_in_the_acco_block():
-    from benchmarks import worker
+    from benchmarks import variants
     base = json.load(open(os.path.join(REPO, "ds_configs", "zero1.json")))
     spec = {"micro_batch": 4, "gas": 16, "dynamic_min": None, "dynamic_max": None}
-    cfgs = {v: worker.variant_config(base, v, spec) for v in worker.VARIANTS}
+    cfgs = {v: variants.variant_config(base, v, spec) for v in variants.VARIANTS}
     assert "acco" not in cfgs["stock"]
     assert cfgs["fixed"]["acco"] == {"enabled": True, "mode": "acco", "accumulation": "fixed"}
     assert cfgs["dpu"]["acco"]["mode"] == "dpu"
     assert cfgs["dynamic"]["acco"]["dynamic"]["min_micro_batches"] == 8
     assert "lr_scaling" not in cfgs["dynamic"]["acco"]["dynamic"]
-    for rule in worker.LR_RULES:
+    for rule in variants.LR_RULES:
         assert cfgs[f"dynamic_{rule}"]["acco"]["dynamic"] == dict(cfgs["dynamic"]["acco"]["dynamic"], lr_scaling=rule)
     for c in cfgs.values():
         rest = {k: v for k, v in c.items() if k != "acco"}
         assert rest == cfgs["stock"]
         assert c["gradient_accumulation_steps"] == 16
-    for v in worker.FSDP_VARIANTS:  # same JSON for both frameworks
-        assert cfgs[v] == cfgs[worker.mode_of(v)]
+    for v in variants.FSDP_VARIANTS:  # same JSON for both frameworks
+        assert cfgs[v] == cfgs[variants.mode_of(v)]
 
 
 # -- report ---------------------------------------------------------------------------------------
 def test_report_writes_json_markdown_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
-    s = runner.summarize(_raw(), runner.ABSpec(warmup=1))
+    s = summarize(_raw(), runner.ABSpec(warmup=1))
     paths = report.write(s, str(tmp_path), "synthetic")
     names = sorted(os.path.basename(p) for p in paths)
     assert names == ["synthetic.json", "synthetic.md", "synthetic_breakdown.png", "synthetic_loss_time.png",
@@ -582,26 +583,26 @@ def test_emulation_is_named_in_the_spec_and_labelled_in_the_report(tmp_path):
     assert ws["emulate"] == {"params": 16 * 10 ** 6, "compute_s": [0.4, 0.6]}
     raw = _raw()
     raw["spec"] = dict(raw["spec"], emulate=ws["emulate"])
-    s = runner.summarize(raw, spec)
+    s = summarize(raw, spec)
     assert s["emulation"].startswith("EMULATION")
     assert report.markdown_table(s).startswith("**EMULATION")
-    assert runner.summarize(_raw(), runner.ABSpec())["emulation"] is None
+    assert summarize(_raw(), runner.ABSpec())["emulation"] is None
 
 
 def test_sweep_points_use_the_ideal_curves_and_label_emulation(tmp_path):
-    s = runner.summarize(_raw(), runner.ABSpec(warmup=1))
-    (p,) = report.sweep_points([s])
+    s = summarize(_raw(), runner.ABSpec(warmup=1))
+    (p,) = report_sweep.sweep_points([s])
     C, c = s["probe"]["micro_batch_s"] * s["gas"], s["probe_round_s"]
     assert p["ratio"] == pytest.approx(c / (C / 2))
     assert p["ideal"] == {"stock": pytest.approx(C + c), "fixed": pytest.approx(max(C, 2 * c)),
                           "dpu": pytest.approx(max(C, c))}
     assert p["fixed"]["speedup"] == pytest.approx(s["variants"]["stock"]["step_s"] / s["variants"]["fixed"]["step_s"])
     assert p["fixed"]["vs_ideal"] == pytest.approx(s["variants"]["fixed"]["step_s"] / max(C, 2 * c))
-    paths = report.write_sweep([s], str(tmp_path))
+    paths = report_sweep.write_sweep([s], str(tmp_path))
     md = open(paths[0]).read()
     assert "EMULATION" not in md and f"| {s['label']} | 2 |" in md
     s["emulation"] = "EMULATION: test"
-    md = open(report.write_sweep([s], str(tmp_path))[0]).read()
+    md = open(report_sweep.write_sweep([s], str(tmp_path))[0]).read()
     assert md.startswith("**EMULATION**")
 
 
@@ -612,15 +613,15 @@ def test_sweep_merges_repeats_into_medians(tmp_path):
         for r in raw["runs"]:
             if r["variant"] == "fixed":
                 r["ranks"] = [_rank("fixed", 4, 5, step_s=fixed_s, metrics=r["ranks"][0]["acco_metrics"])] * 2
-        s = runner.summarize(raw, runner.ABSpec(warmup=1))
+        s = summarize(raw, runner.ABSpec(warmup=1))
         s["label"] = f"pt-rep{k}"
         runs.append(s)
-    (m,) = report.sweep_medians(report.sweep_points(runs))
+    (m,) = report_sweep.sweep_medians(report_sweep.sweep_points(runs))
     assert m["label"] == "pt" and m["runs"] == 3
     assert m["fixed"]["step_s"] == pytest.approx(2.0)  # the median, not the mean or the first run
     ideal = m["ideal"]["fixed"]
     assert m["fixed"]["vs_ideal_range"] == [pytest.approx(1.0 / ideal), pytest.approx(3.0 / ideal)]
-    md = open(report.write_sweep(runs, str(tmp_path))[0]).read()
+    md = open(report_sweep.write_sweep(runs, str(tmp_path))[0]).read()
     assert "| pt | 2 | 3 |" in md and "Medians over the runs" in md
 
 
@@ -640,7 +641,7 @@ def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_pat
             summary(1, 8, {"stock": [(10, 3.0), (30, 1.0)], "fixed": [(5, 3.0), (15, 1.0)],
                            "dpu": [(5, 3.0), (10, 2.5)]}),
             summary(0, 32, {"stock": [(20, 3.0), (40, 1.9)]}), summary(1, 32, {"stock": [(20, 3.0), (40, 1.9)]})]
-    res = report.time_to_target(runs, target=2.0)
+    res = report_quality.time_to_target(runs, target=2.0)
     rows = {r["variant"]: r for r in res["rows"]}
     assert rows["stock"]["time_to_target_range"] == [pytest.approx(10.0), pytest.approx(20.0)]
     assert rows["fixed"]["vs_stock"] == pytest.approx(1.625)
@@ -648,14 +649,14 @@ def test_time_to_target_interpolates_and_takes_ratios_within_each_repeat(tmp_pat
     # stock at 4x the batch is its own row; equal time = the shortest run of each repeat (10 s)
     assert rows["stock@gas32"]["time_to_target_s"] == pytest.approx(20 + 20 * 1.0 / 1.1)
     assert rows["stock"]["loss_at_equal_time"] == pytest.approx(statistics.median([2.0, 3.0]))
-    assert report.time_to_target(runs)["target"] == pytest.approx(1.01)  # default: 1.01 x stock's last loss
-    md = open(report.write_time_to_target(runs, str(tmp_path), target=2.0)[0]).read()
+    assert report_quality.time_to_target(runs)["target"] == pytest.approx(1.01)  # default: 1.01 x stock's last loss
+    md = open(report_quality.write_time_to_target(runs, str(tmp_path), target=2.0)[0]).read()
     assert rows["fixed"]["loss_at_equal_tokens"] == pytest.approx(1.0)  # both ended at the same tokens
     assert "EMULATION" in md and "not reached in 2 of 2" in md and "gradient_accumulation_steps 32" in md
     with pytest.raises(ValueError, match="two runs of 'stock' in repeat 0"):
-        report.time_to_target(runs + [summary(0, 8, {"stock": [(5, 3.0), (15, 1.0)]})], target=2.0)
+        report_quality.time_to_target(runs + [summary(0, 8, {"stock": [(5, 3.0), (15, 1.0)]})], target=2.0)
     with pytest.raises(ValueError, match="different setups"):
-        report.time_to_target(runs + [dict(summary(2, 8, {"stock": [(5, 3.0)]}), world=4)], target=2.0)
+        report_quality.time_to_target(runs + [dict(summary(2, 8, {"stock": [(5, 3.0)]}), world=4)], target=2.0)
 
 
 def test_advisor_out_of_sample_predicts_each_run_from_another_runs_probe():
@@ -666,7 +667,7 @@ def test_advisor_out_of_sample_predicts_each_run_from_another_runs_probe():
     a = dict(base, label="a", gas=4, probe=probe, variants={"stock": {"step_s": 0.7}})
     b = dict(base, label="b", gas=16, probe=dict(probe, micro_batch_s=0.2), variants={"stock": {"step_s": 2.0}})
     other = dict(base, label="c", gas=16, rate="100mbit", probe=probe, variants={"stock": {"step_s": 9.0}})
-    res = advisor.out_of_sample([a, b, other])
+    res = advisor_check.out_of_sample([a, b, other])
     rows = {(r["run"], r["probe_run"]): r for r in res["rows"]}
     assert set(rows) == {("a", "b"), ("b", "a")}  # never its own probe, never another setup's
     # b (gas 16) from a's probe: 16 x 0.1 + 0.3 = 1.9 s against 2.0 measured
@@ -739,7 +740,7 @@ def test_heterogeneity_profiles_slow_only_the_slow_rank():
     """The sweep's slowdowns (EMULATION): a constant factor, a straggler's lognormal jitter of mean 1,
     a transient window of the steps; every other rank runs at 1."""
     import math as m
-    from benchmarks.worker import Slowdown
+    from benchmarks.emulation import Slowdown
 
     spec = {"steps": 10, "seed": 0, "slow_rank": 1, "slow_factor": 2.0}
     assert [Slowdown(spec, 0)(s) for s in range(10)] == [1.0] * 10
@@ -758,9 +759,9 @@ def test_heterogeneity_is_named_and_checked():
     spec = runner.ABSpec(world=2, slow_rank=1, slow_factor=2, slow_jitter=0.3,
                          transient={"factor": 3.0, "fraction": 0.2})
     assert spec.name() == "w2-unshaped-gas4-slow1x2-jitter0.3-transient3x0.2"
-    note = runner.heterogeneity_note(spec.worker_spec("x"))
+    note = heterogeneity_note(spec.worker_spec("x"))
     assert note.startswith("EMULATION") and "rank 1 2x slower" in note and "sigma 0.3" in note and "20% of the steps" in note
-    assert runner.heterogeneity_note(runner.ABSpec(world=2).worker_spec("x")) is None
+    assert heterogeneity_note(runner.ABSpec(world=2).worker_spec("x")) is None
     with pytest.raises(ValueError, match="--slow-rank"):
         runner.ABSpec(world=2, slow_jitter=0.3)
     with pytest.raises(ValueError, match="transient"):
@@ -794,16 +795,16 @@ def test_tail_fidelity_averages_the_last_part_at_equal_tokens():
     fixed = [3.1, 2.4, 2.3, 2.1, 1.8, 1.9, 1.7, 1.62, 1.53, 1.4]
     summary = {"label": "fid", "steps": 100, "variants": {"stock": {"heldout_curve": curve(stock)},
                                                           "fixed": {"heldout_curve": curve(fixed)}}}
-    res = report.tail_fidelity([summary], tail=0.3)
+    res = report_quality.tail_fidelity([summary], tail=0.3)
     row = next(r for r in res["rows"] if r["variant"] == "fixed")
     assert (row["evaluations"], row["from_step"]) == (3, 80)  # steps 80, 90, 100: past 70% of 100
     assert row["gap"] == pytest.approx((1.62 + 1.53 + 1.4) / (1.6 + 1.5 + 1.4) - 1)
     assert row["final_gap"] == pytest.approx(0.0)
     # a variant at twice the batch is read at stock's tokens (interpolated on its own curve)
     summary["variants"]["dynamic"] = {"heldout_curve": curve(stock, tokens_per_step=200)}
-    dyn = next(r for r in report.tail_fidelity([summary])["rows"] if r["variant"] == "dynamic")
+    dyn = next(r for r in report_quality.tail_fidelity([summary])["rows"] if r["variant"] == "dynamic")
     assert dyn["tail_loss"] == pytest.approx((2.0 + (2.0 + 1.9) / 2 + 1.9) / 3)  # its steps 40, 45, 50
-    assert "+1.11%" in report.tail_fidelity_markdown(res)
+    assert "+1.11%" in report_quality.tail_fidelity_markdown(res)
 
 
 def test_tail_fidelity_medians_over_seeds_group_by_label_without_the_seed():
@@ -813,22 +814,22 @@ def test_tail_fidelity_medians_over_seeds_group_by_label_without_the_seed():
         return {"label": label, "steps": 100, "variants": {"stock": {"heldout_curve": pts},
                                                           "fixed": {"heldout_curve": mine}}}
     runs = [run("fid-lr2", 0.010), run("fid-lr2-s1", 0.002), run("fid-lr2-s2", 0.004), run("fid-lr1", 0.003)]
-    groups = report.seed_medians(report.tail_fidelity(runs)["rows"])
+    groups = report_quality.seed_medians(report_quality.tail_fidelity(runs)["rows"])
     assert [(g["label"], len(g["gaps"])) for g in groups] == [("fid-lr2", 3), ("fid-lr1", 1)]
     assert groups[0]["median"] == pytest.approx(0.004)  # the median, not the mean (0.53%)
-    text = report.tail_fidelity_markdown(report.tail_fidelity(runs))
+    text = report_quality.tail_fidelity_markdown(report_quality.tail_fidelity(runs))
     assert "| fid-lr2 | ACCO fixed | 3 | +0.40% | +0.20% – +1.00% |" in text
 
 
 def test_sharded_fsdp_variants_are_compared_with_stock_fsdp_in_the_same_layout():
-    from benchmarks.worker import is_sharded, mode_of
+    from benchmarks.variants import is_sharded, mode_of
     assert [mode_of(v) for v in ("fsdp_stock_sharded", "fsdp_fixed_sharded")] == ["stock", "fixed"]
     assert is_sharded("fsdp_fixed_sharded") and not is_sharded("fsdp_fixed") and not is_sharded("fixed")
     present = {"stock", "fsdp_stock", "fsdp_stock_sharded", "fsdp_fixed", "fsdp_fixed_sharded"}
-    assert runner.baseline("fsdp_fixed_sharded", present) == "fsdp_stock_sharded"
-    assert runner.baseline("fsdp_fixed", present) == "fsdp_stock"
-    assert runner.baseline("fsdp_fixed_sharded", present - {"fsdp_stock_sharded"}) == "fsdp_stock"
-    assert runner.baseline("fixed", present) == "stock"
+    assert baseline("fsdp_fixed_sharded", present) == "fsdp_stock_sharded"
+    assert baseline("fsdp_fixed", present) == "fsdp_stock"
+    assert baseline("fsdp_fixed_sharded", present - {"fsdp_stock_sharded"}) == "fsdp_stock"
+    assert baseline("fixed", present) == "stock"
 
 
 def test_memory_formula_extras_are_the_readme_sentences():

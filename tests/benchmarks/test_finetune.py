@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import finetune as ft
+from benchmarks import finetune_summary as ft_summary
+from benchmarks import finetune_task as ft_task
 
 from dist import communicate
 from timeouts import scaled
@@ -23,12 +25,12 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 from test_launchers import base_env, start, tail  # noqa: E402  (the launcher tests' environment)
 
 SETTINGS = {"max_steps": "60"}
-HASHES = {k: "h" for k in ft.PAIRING_KEYS}
+HASHES = {k: "h" for k in ft_summary.PAIRING_KEYS}
 
 
 def record(variant, seed, loss, acc=0.5, engine=None, **over):
     block = None if variant == "stock" else {"enabled": True}
-    r = {"version": ft.RECORD_VERSION, "variant": variant, "seed": seed, "acco": block,
+    r = {"version": ft_summary.RECORD_VERSION, "variant": variant, "seed": seed, "acco": block,
          "engine": engine or ("DeepSpeedEngine" if block is None else "AccoEngine"),
          "heldout_loss": loss, "heldout_accuracy": acc, "settings": SETTINGS, **HASHES}
     r.update(over)
@@ -41,7 +43,7 @@ def test_gap_table_per_seed_median_and_range():
     acco = [2.02, 0.99, 4.4, 1.6, 0.52]  # gaps +1, -1, +10, 0, +4 %
     records = [record("stock", s, v) for s, v in enumerate(stock)] + \
               [record("acco", s, v) for s, v in enumerate(acco)]
-    t = ft.gap_table(records, "stock")["variants"]["acco"]
+    t = ft_summary.gap_table(records, "stock")["variants"]["acco"]
     want = {0: 1.0, 1: -1.0, 2: 10.0, 3: 0.0, 4: 4.0}
     assert t["per_seed"].keys() == want.keys()
     for s, g in want.items():
@@ -54,16 +56,16 @@ def test_gap_table_per_seed_median_and_range():
 def test_gap_table_even_count_and_unpaired_seed():
     records = [record("stock", 0, 1.0), record("stock", 1, 1.0),
                record("acco", 0, 1.01), record("acco", 1, 1.03), record("acco", 7, 9.0)]
-    t = ft.gap_table(records, "stock")["variants"]["acco"]
+    t = ft_summary.gap_table(records, "stock")["variants"]["acco"]
     assert t["n"] == 2 and t["unpaired"] == [7]  # seed 7 has no stock run: out of the median, listed
     assert t["median"] == pytest.approx(2.0, abs=1e-9)  # mean of the middle two: (1 + 3) / 2
-    text = ft.format_table(ft.gap_table(records, "stock"))
+    text = ft_summary.format_table(ft_summary.gap_table(records, "stock"))
     assert "+2.00%" in text and "+1.00% … +3.00%" in text and "unpaired" in text
 
 
 def test_gap_of_accuracy_uses_the_same_pairing():
     records = [record("stock", 0, 1.0, acc=0.5), record("acco", 0, 1.0, acc=0.55)]
-    t = ft.gap_table(records, "stock", "heldout_accuracy")["variants"]["acco"]
+    t = ft_summary.gap_table(records, "stock", "heldout_accuracy")["variants"]["acco"]
     assert t["per_seed"][0] == pytest.approx(10.0)
 
 
@@ -77,7 +79,7 @@ def test_gap_of_accuracy_uses_the_same_pairing():
 ])
 def test_records_that_cannot_be_compared_are_refused(bad, why):
     with pytest.raises(ValueError, match=why):
-        ft.gap_table(bad, "stock")
+        ft_summary.gap_table(bad, "stock")
 
 
 def test_curve_gives_the_median_gap_per_evaluation_step():
@@ -85,7 +87,7 @@ def test_curve_gives_the_median_gap_per_evaluation_step():
         return record(variant, seed, losses[-1], eval_curve=[{"step": 10 * (i + 1), "loss": v} for i, v in enumerate(losses)])
     records = [run("stock", 0, [2.0, 1.0]), run("stock", 1, [2.0, 1.0]), run("stock", 2, [4.0, 1.0]),
                run("acco", 0, [2.02, 1.0]), run("acco", 1, [2.04, 0.99]), run("acco", 2, [4.0, 1.05])]
-    curve = ft.curve_table(records, "stock")["acco"]
+    curve = ft_summary.curve_table(records, "stock")["acco"]
     assert list(curve) == [10, 20]
     assert curve[10] == pytest.approx(1.0, abs=1e-9)  # gaps 1, 2, 0 %
     assert curve[20] == pytest.approx(0.0, abs=1e-9)  # gaps 0, -1, +5 %
@@ -99,18 +101,18 @@ def test_lag_reads_each_commits_report_of_the_step_before():
     assert ft.estimate_lag(SimpleNamespace()) == []  # a stock engine has no history
     runs = [record("acco", s, 1.0, drift_median=d, cos_median=c) for s, (d, c) in enumerate([(0.2, 0.9), (0.4, 0.5),
                                                                                              (0.3, 0.8)])]
-    assert ft.lag_table(runs) == {"acco": {"drift": 0.3, "cos": 0.8, "n": 3}}
+    assert ft_summary.lag_table(runs) == {"acco": {"drift": 0.3, "cos": 0.8, "n": 3}}
 
 
 # -- the task -------------------------------------------------------------------------------------
 def test_task_split_is_balanced_disjoint_and_whole_steps_per_epoch():
     args = ft.FinetuneArguments()
-    train_ids, train_labels, held_ids, held_labels = ft.build_task(args)
-    k = len(ft.TOPICS)
+    train_ids, train_labels, held_ids, held_labels = ft_task.build_task(args)
+    k = len(ft_task.TOPICS)
     assert train_labels.bincount(minlength=k).tolist() == [args.passages_per_topic - args.heldout_per_topic] * k
     assert held_labels.bincount(minlength=k).tolist() == [args.heldout_per_topic] * k
     assert train_ids.shape[1] == args.passage_words + 2
-    assert int(train_ids.max()) < args.vocab_size and (train_ids[:, 0] == ft.CLS_ID).all()
+    assert int(train_ids.max()) < args.vocab_size and (train_ids[:, 0] == ft_task.CLS_ID).all()
     train_rows = {tuple(r) for r in train_ids.tolist()}
     assert not train_rows & {tuple(r) for r in held_ids.tolist()}  # nothing held out is trained on
     # the defaults (2 ranks x 8 x gas 4) end every epoch on a whole optimizer step
@@ -120,7 +122,7 @@ def test_task_split_is_balanced_disjoint_and_whole_steps_per_epoch():
 
 
 def test_passages_carry_no_header_line_naming_the_module():
-    text = ft.module_text("queue")
+    text = ft_task.module_text("queue")
     assert "queue.Queue" not in text.splitlines() and "Queue" in text
 
 
@@ -150,8 +152,8 @@ def test_driver_runs_stock_and_acco_and_writes_the_table(tmp_path):
         assert [p["step"] for p in r["eval_curve"]][:2] == [1, 2]
         assert not r["partial_steps"]
     # paired: the same checkpoint, head, data and data order; the table reads them
-    assert all(stock[k] == acco[k] for k in ft.PAIRING_KEYS)
+    assert all(stock[k] == acco[k] for k in ft_summary.PAIRING_KEYS)
     table = json.loads((out / "table.json").read_text())["heldout_loss"]
     gap = table["variants"]["acco"]["per_seed"]["0"]
-    assert gap == pytest.approx(ft.gap_pct(acco["heldout_loss"], stock["heldout_loss"]))
+    assert gap == pytest.approx(ft_summary.gap_pct(acco["heldout_loss"], stock["heldout_loss"]))
     assert "median gap" in (out / "table.md").read_text()

@@ -53,3 +53,15 @@ def test_workers_sit_beside_their_tests_on_the_suites_path():
     # run_ranks pickles a worker function by module name: its folder must be on every rank's sys.path.
     stray = sorted(str(p.relative_to(ROOT)) for p in TESTS.rglob("*workers.py") if p.parent not in on_path)
     assert stray == [], f"workers in folders pytest.ini's pythonpath does not list: {stray}"
+
+
+def test_every_benchmark_file_is_one_concern_under_400_lines():
+    # One concern per file, named in the docstring's first line (issue 35); the library's own files are checked
+    # by the layering tests.
+    found = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        doc = ast.get_docstring(ast.parse(text))
+        if len(text.splitlines()) >= 400 or not doc:
+            found[path.name] = (len(text.splitlines()), (doc or "no docstring").splitlines()[0])
+    assert found == {}

@@ -1,0 +1,103 @@
+"""The A/B variants: what each name means (engine, mode, LR rule, sharding), its DeepSpeed config
+and its model."""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+
+from benchmarks.gpt import CausalLM
+
+
+LR_RULES = ("sqrt", "linear")  # dynamic_<rule>: acco.dynamic.lr_scaling = <rule>
+DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu", "shared")
+FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
+# FSDP2 with parameters resharded after forward and backward (FSDP's memory-saving configuration):
+# stock with no-sync accumulation, and ACCO with AccoFSDP(sharded_params=True); named explicitly
+FSDP_SHARDED_VARIANTS = ("fsdp_stock_sharded", "fsdp_fixed_sharded")
+LR_VARIANTS = tuple(f"dynamic_{r}" for r in LR_RULES)  # DeepSpeed, named explicitly (not in 'all')
+VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS + FSDP_SHARDED_VARIANTS
+
+
+def mode_of(variant: str) -> str:
+    """The schedule a variant runs ('stock', 'fixed', 'dynamic' or 'dpu'), whatever the framework
+    and learning-rate rule."""
+    mode = variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
+    mode = mode[:-len("_sharded")] if mode.endswith("_sharded") else mode
+    return "dynamic" if lr_rule_of(variant) else mode
+
+
+def is_sharded(variant: str) -> bool:
+    """An FSDP2 variant whose parameters stay sharded between uses (FSDP_SHARDED_VARIANTS)."""
+    return is_fsdp(variant) and variant.endswith("_sharded")
+
+
+def lr_rule_of(variant: str) -> Optional[str]:
+    """The dynamic learning-rate rule a variant names (``dynamic_sqrt``: 'sqrt'), else None."""
+    return next((r for r in LR_RULES if variant.endswith(f"dynamic_{r}")), None)
+
+
+def is_fsdp(variant: str) -> bool:
+    return variant.startswith("fsdp_")
+
+
+# -- model ---------------------------------------------------------------------------------------
+def build_model(spec: dict, rank: int = 0) -> CausalLM:
+    """The reference GPT (:mod:`benchmarks.gpt`) at the spec's size, from the spec's seed; with
+    ``spec['emulate']``, the accelerator stand-in of :mod:`benchmarks.emulation` instead."""
+    torch.manual_seed(spec["seed"])  # same initial weights in every variant
+    m = spec["model"]
+    emulate = spec.get("emulate")
+    if emulate:
+        from .emulation import EmulatedLM, compute_for_rank
+        return EmulatedLM(spec["seq_len"], emulate["params"], compute_for_rank(emulate["compute_s"], rank),
+                          m["n_embd"], m["n_layer"], m["n_head"])
+    return CausalLM(spec["seq_len"], m["n_embd"], m["n_layer"], m["n_head"])
+
+
+# -- configs -------------------------------------------------------------------------------------
+def variant_config(base: dict, variant: str, spec: dict) -> dict:
+    """The DeepSpeed config of one variant: the base config, with or without an ``acco`` block
+    (the FSDP variants read the same JSON: its ``acco`` block, accumulation, clipping and the
+    AdamW settings of its ``optimizer`` block)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+    rule = lr_rule_of(variant)
+    variant = mode_of(variant)
+    cfg = copy.deepcopy(base)
+    # The base config's estimate variant (docs/estimate.md) applies to every variant with an estimate
+    estimate = (cfg.pop("acco", None) or {}).get("estimate")
+    cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
+    cfg["gradient_accumulation_steps"] = spec["gas"]
+    cfg.pop("train_batch_size", None)
+    cfg["steps_per_print"] = 10 ** 9
+    if variant == "stock":
+        return cfg
+    if variant == "fixed":
+        cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "fixed"}
+    elif variant == "dpu":
+        cfg["acco"] = {"enabled": True, "mode": "dpu", "accumulation": "fixed"}
+    elif variant == "shared":  # stock's batch per step, shared among the ranks by measured speed
+        cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "shared"}
+    elif variant == "dynamic":
+        lo = spec.get("dynamic_min") or max(1, spec["gas"] // 2)
+        hi = max(lo, spec.get("dynamic_max") or 256)
+        cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "dynamic",
+                       "dynamic": {"min_micro_batches": lo, "max_micro_batches": hi, "check_every": 1}}
+        if rule:
+            cfg["acco"]["dynamic"]["lr_scaling"] = rule
+    else:
+        raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+    if estimate is not None and cfg["acco"]["mode"] == "acco":
+        cfg["acco"]["estimate"] = estimate
+    return cfg
+
+
+def check_fsdp_config(cfg: dict) -> None:
+    """What the FSDP variants do not build from the JSON, refused rather than silently dropped."""
+    for key in ("scheduler", "bf16", "fp16"):
+        block = cfg.get(key)
+        if block and (key == "scheduler" or block.get("enabled", False)):
+            raise ValueError(f"base config block \"{key}\": the FSDP variants train in fp32 with torch AdamW and no "
+                             "LR schedule; fix: remove it from the base config, or run the DeepSpeed variants only")
