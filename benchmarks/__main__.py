@@ -52,7 +52,10 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
         p.add_argument("--steps", type=int, default=6, help="committed steps per variant, warm-up included")
         p.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings")
         p.add_argument("--variants", default="stock,fixed,dynamic,dpu", help="comma-separated, run in this order: stock, fixed, dynamic, dpu, shared (DeepSpeed) and fsdp_stock, "
-                       "fsdp_fixed, fsdp_dynamic, fsdp_dpu (FSDP2); 'deepspeed', 'fsdp' or 'all' for a group")
+                       "fsdp_fixed, fsdp_dynamic, fsdp_dpu (FSDP2); 'deepspeed', 'fsdp' or 'all' for a group; by name "
+                       "only: stock_overlap (stock ZeRO-1 with overlap_comm, contiguous_gradients, --overlap-bucket)")
+        p.add_argument("--overlap-bucket", type=int, default=None, dest="overlap_bucket_size",
+                       help="stock_overlap: reduce_bucket_size in elements (default: n_embd squared, HF's 'auto')")
         p.add_argument("--repeat", type=int, default=1, help="run the variant list this many times (alternating)")
         p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: at the end)")
         p.add_argument("--eval-batches", type=int, default=4, help="held-out batches of 16 sequences per rank")
@@ -108,7 +111,7 @@ def _spec(a, **over) -> runner.ABSpec:
               emulate_compute_s=_compute_s(a.emulate_compute_s),
               emulate_params=None if a.emulate_params is None else int(a.emulate_params))
     for k in ("steps", "warmup", "repeat", "eval_every", "eval_batches", "dynamic_min", "dynamic_max",
-              "target_loss", "label", "memory"):
+              "overlap_bucket_size", "target_loss", "label", "memory"):
         if hasattr(a, k):
             kw[k] = getattr(a, k)
     if hasattr(a, "variants"):

@@ -12,7 +12,7 @@ from typing import Dict
 
 # A/B runner variant names (benchmarks.runner) -> the formula's row
 _ROWS = {
-    "stock": "zero1_stock", "fixed": "zero1_acco", "dynamic": "zero1_acco", "shared": "zero1_acco",
+    "stock": "zero1_stock", "stock_overlap": "zero1_stock", "fixed": "zero1_acco", "dynamic": "zero1_acco", "shared": "zero1_acco",
     "dpu": "zero1_acco", "dynamic_sqrt": "zero1_acco", "dynamic_linear": "zero1_acco",
     "fsdp_stock": "fsdp_stock_resident", "fsdp_fixed": "fsdp_acco_resident", "fsdp_dynamic": "fsdp_acco_resident",
     "fsdp_dpu": "fsdp_acco_resident",

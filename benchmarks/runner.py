@@ -58,6 +58,7 @@ class ABSpec:
     transient: Optional[dict] = None  # {'factor', 'fraction', 'start'}: the slow rank slower for part of the run
     dynamic_min: Optional[int] = None
     dynamic_max: Optional[int] = None
+    overlap_bucket_size: Optional[int] = None  # stock_overlap's reduce_bucket_size (None: hidden size squared)
     base_config: str = DEFAULT_CONFIG  # a path, or the name of a shipped config (ds_acco.configs)
     target_loss: Optional[float] = None
     timeout_s: float = 3600.0
@@ -127,6 +128,7 @@ class ABSpec:
                 "eval_every": self.eval_every, "eval_batches": self.eval_batches, "slow_rank": self.slow_rank,
                 "slow_factor": self.slow_factor, "slow_jitter": self.slow_jitter, "transient": self.transient,
                 "dynamic_min": self.dynamic_min, "dynamic_max": self.dynamic_max,
+                "overlap_bucket_size": self.overlap_bucket_size,
                 "base_config": os.path.abspath(configs.resolve(self.base_config)), "raw_out": os.path.abspath(raw_out),
                 "threads": 1,
                 "memory": self.memory,

@@ -70,3 +70,39 @@ def fidelity_runs(variants, spec, base_cfg):
     train, heldout = build_splits("embedded", seq_len=spec["seq_len"], holdout=0.02, seed=0)
     return [worker.run_variant(v, spec, base_cfg, train, heldout, rank, world, say=lambda msg: None)
             for v in variants]
+
+
+def overlap_records(variants, spec):
+    """``run_variant`` per variant on the random rows of :func:`variant_records`, with what DeepSpeed's
+    ZeRO-1 optimizer was built with (overlap_comm, contiguous_gradients, reduce_bucket_size) and how
+    many bucket reduces it ran, and how many of them started from a gradient hook (inside backward)."""
+    import traceback
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from benchmarks import trainers
+
+    seen = {}
+    build, reduce = trainers.DeepSpeedTrainer.__init__, DeepSpeedZeroOptimizer.reduce_ipg_grads
+
+    def recording_build(self, model, cfg):
+        build(self, model, cfg)
+        opt = self.inner.optimizer
+        seen.update(settings={k: getattr(opt, k) for k in ("overlap_comm", "contiguous_gradients",
+                                                           "reduce_bucket_size")}, reduces=0, reduces_from_hooks=0)
+
+    def counting_reduce(self, *args, **kwargs):
+        seen["reduces"] += 1
+        if any(f.name == "reduce_independent_p_g_buckets_and_remove_grads" for f in traceback.extract_stack()):
+            seen["reduces_from_hooks"] += 1
+        return reduce(self, *args, **kwargs)
+
+    trainers.DeepSpeedTrainer.__init__, DeepSpeedZeroOptimizer.reduce_ipg_grads = recording_build, counting_reduce
+    try:
+        out = []
+        for v in variants:
+            record = variant_records([v], spec)[0]
+            out.append(dict(seen, record={k: record[k] for k in ("committed", "mb_loss", "heldout")}))
+        return out
+    finally:
+        trainers.DeepSpeedTrainer.__init__, DeepSpeedZeroOptimizer.reduce_ipg_grads = build, reduce

@@ -371,7 +371,7 @@ def test_variant_configs_differ_only_in_the_acco_block():
     from benchmarks import variants
     base = json.load(open(os.path.join(REPO, "ds_configs", "zero1.json")))
     spec = {"micro_batch": 4, "gas": 16, "dynamic_min": None, "dynamic_max": None}
-    cfgs = {v: variants.variant_config(base, v, spec) for v in variants.VARIANTS}
+    cfgs = {v: variants.variant_config(base, v, spec) for v in variants.VARIANTS if v != variants.STOCK_OVERLAP}
     assert "acco" not in cfgs["stock"]
     assert cfgs["fixed"]["acco"] == {"enabled": True, "mode": "acco", "accumulation": "fixed"}
     assert cfgs["dpu"]["acco"]["mode"] == "dpu"
@@ -385,6 +385,31 @@ def test_variant_configs_differ_only_in_the_acco_block():
         assert c["gradient_accumulation_steps"] == 16
     for v in variants.FSDP_VARIANTS:  # same JSON for both frameworks
         assert cfgs[v] == cfgs[variants.mode_of(v)]
+
+
+def test_stock_overlap_is_stock_with_deepspeeds_overlap_settings(tmp_path):
+    from benchmarks import variants
+    from benchmarks.__main__ import parse_variants
+    base = json.load(open(os.path.join(REPO, "ds_configs", "zero1.json")))
+    spec = {"micro_batch": 4, "gas": 16, "model": {"n_embd": 384}}
+    stock = variants.variant_config(base, "stock", spec)
+    cfg = variants.variant_config(base, "stock_overlap", spec)
+    assert cfg["zero_optimization"] == {**stock["zero_optimization"], "overlap_comm": True,
+                                        "contiguous_gradients": True, "reduce_bucket_size": 384 * 384}
+    rest = {k: v for k, v in cfg.items() if k != "zero_optimization"}
+    assert rest == {k: v for k, v in stock.items() if k != "zero_optimization"} and "acco" not in cfg
+    assert "overlap_comm" not in stock["zero_optimization"]  # plain stock keeps DeepSpeed's defaults
+    assert variants.variant_config(base, "stock_overlap", dict(spec, overlap_bucket_size=1000))[
+        "zero_optimization"]["reduce_bucket_size"] == 1000
+    with pytest.raises(ValueError, match="overlap_bucket_size = -1"):
+        variants.variant_config(base, "stock_overlap", dict(spec, overlap_bucket_size=-1))
+    # Stock's schedule and stock's row in every table; named only, so 'all' runs what it ran before.
+    assert variants.mode_of("stock_overlap") == "stock" and baseline("stock_overlap", {"stock"}) == "stock"
+    assert "stock_overlap" not in parse_variants("all")
+    # DeepSpeed's own parser reads the keys (the runner's plan checks every variant through it).
+    plan = runner.plan(runner.ABSpec(network="loopback", variants=("stock", "stock_overlap"), n_embd=32,
+                                     overlap_bucket_size=None), str(tmp_path / "x.raw.json"))
+    assert plan["variants"]["stock_overlap"]["zero_optimization"]["reduce_bucket_size"] == 32 * 32
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -734,6 +759,32 @@ def test_shared_variant_commits_stocks_batch_every_step_on_every_rank():
         assert len(commits) >= steps - 1 and all(m["micro_batches_global"] == gas * 2 for m in commits), commits
     assert shared[0]["micro_batches"] > shared[1]["micro_batches"]  # the fast rank computed more of each step
     assert shared[0]["heldout"][-1]["loss"] == shared[1]["heldout"][-1]["loss"]
+
+
+def test_stock_overlap_trains_as_stock_with_its_reduce_started_from_the_backward_hooks():
+    """Through the A/B loop on 2 ranks: stock_overlap's engine carries overlap_comm, contiguous
+    gradients and the tuned bucket; its bucketed reduces start from the gradient hooks of each step's
+    last backward (stock's start after it), and it trains as stock does: per-rank sums of 2 ranks'
+    gradients are the same in any bucketing, so the losses are equal."""
+    import bench_workers
+    from dist import run_ranks
+
+    gas, steps, n_embd = 2, 3, 16
+    spec = runner.ABSpec(world=2, gas=gas, steps=steps, seq_len=8, micro_batch=2, n_embd=n_embd, n_layer=1,
+                         n_head=2, eval_batches=1).worker_spec("unused")
+    ranks = run_ranks(bench_workers.overlap_records, variants=["stock", "stock_overlap"], spec=spec,
+                      timeout=scaled(100))
+    for per_variant in ranks:
+        stock, overlap = per_variant
+        assert stock["settings"] == {"overlap_comm": False, "contiguous_gradients": True,
+                                     "reduce_bucket_size": 500_000_000}
+        assert overlap["settings"] == {"overlap_comm": True, "contiguous_gradients": True,
+                                       "reduce_bucket_size": n_embd * n_embd}
+        assert stock["reduces_from_hooks"] == 0 and stock["reduces"] >= steps
+        assert overlap["reduces_from_hooks"] >= steps  # at least one bucket per step before backward ends
+        assert overlap["record"]["committed"] == stock["record"]["committed"] == steps
+        assert overlap["record"]["mb_loss"] == stock["record"]["mb_loss"]
+        assert overlap["record"]["heldout"][-1]["loss"] == stock["record"]["heldout"][-1]["loss"]
 
 
 def test_heterogeneity_profiles_slow_only_the_slow_rank():
