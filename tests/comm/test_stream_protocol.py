@@ -274,7 +274,7 @@ def test_the_race_check_catches_a_block_reused_before_the_reader_was_waited_for(
 
 def test_blocking_copies_between_host_and_device_are_host_syncs():
     # On a real device the recorder counts these (meta stands in for the device here).
-    from ds_acco.testing.recording import _blocking_transfer
+    from ds_acco.testing.op_recorders import _blocking_transfer
     host, dev = torch.ones(4), torch.empty(4, device="meta")
     to_copy, copy_ = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
     assert _blocking_transfer(to_copy, (host,), {"device": torch.device("meta")}, dev)  # pageable H2D
