@@ -4,6 +4,8 @@
 # Each run writes <label>.json/.md/_*.png into OUT_DIR; `summarize` combines them at the end.
 # Ordered by priority, so a cut-short matrix still has the main comparisons.
 set -uo pipefail
+# benchmarks/ is not installed: put the checkout on the path, so this runs from any directory
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${1:-bench_results/matrix}"
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ds_ext}"

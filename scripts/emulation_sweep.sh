@@ -7,6 +7,8 @@
 # round time ROUND_S measured once beforehand.
 #   scripts/emulation_sweep.sh [OUT_DIR]   (env: WORLD=2 RATE=1gbit GAS=8 REPEATS=1 ROUND_S=0.4)
 set -uo pipefail
+# benchmarks/ is not installed: put the checkout on the path, so this runs from any directory
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${1:-bench_results/emulation}"
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cpu

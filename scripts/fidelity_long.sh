@@ -8,6 +8,8 @@
 #        VARIANTS=stock,fixed  SLOW="" (e.g. "--slow-rank 1 --slow-factor 2" with VARIANTS=stock,shared)
 #        SEEDS="0" (initial weights and data order; several seeds: the summary adds their median gap)
 set -euo pipefail
+# benchmarks/ is not installed: put the checkout on the path, so this runs from any directory
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${1:-bench_results/fidelity}"
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cpu

@@ -15,6 +15,8 @@
 # A run whose record exists is skipped, so an interrupted sweep resumes; the summary refuses records made
 # with different settings. The first run pretrains the shared checkpoint into OUT_DIR/pretrained.
 set -euo pipefail
+# benchmarks/ is not installed: put the checkout on the path, so this runs from any directory
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${1:-bench_results/finetune}"
 PY=${PYTHON:-python}
 SEEDS=${SEEDS:-"0 1 2 3 4"}

@@ -8,6 +8,8 @@
 # VARIANTS="stock fixed dynamic dpu" (any of python -m benchmarks ab's: each is compared with its
 # own stock -- fsdp_* with stock FSDP2 in the same layout, fsdp_*_sharded with fsdp_stock_sharded).
 set -euo pipefail
+# benchmarks/ is not installed: put the checkout on the path, so this runs from any directory
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${1:-bench_results/memory}
 shift || true
 REPEATS=${REPEATS:-3}

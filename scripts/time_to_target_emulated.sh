@@ -13,6 +13,8 @@
 # ROUND_S is one round's time at PARAMS measured beforehand (e.g. the sweep's probe); the wait per
 # micro-batch makes one round RATIO x half a step's compute (the run measures the real ratio).
 set -uo pipefail
+# benchmarks/ is not installed: put the checkout on the path, so this runs from any directory
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${1:-bench_results/ttt}"
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cpu
