@@ -43,7 +43,9 @@ FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
 # stock with no-sync accumulation, and ACCO with AccoFSDP(sharded_params=True); named explicitly
 FSDP_SHARDED_VARIANTS = ("fsdp_stock_sharded", "fsdp_fixed_sharded")
 LR_VARIANTS = tuple(f"dynamic_{r}" for r in LR_RULES)  # DeepSpeed, named explicitly (not in 'all')
-VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS + FSDP_SHARDED_VARIANTS
+# ACCO fixed with the paper's estimate ("estimate": "paper"), beside the default look-ahead's: named only
+PAPER_VARIANTS = ("fixed_paper",)
+VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS + FSDP_SHARDED_VARIANTS + PAPER_VARIANTS
 
 
 def mode_of(variant: str) -> str:
@@ -51,6 +53,7 @@ def mode_of(variant: str) -> str:
     and learning-rate rule."""
     mode = variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
     mode = mode[:-len("_sharded")] if mode.endswith("_sharded") else mode
+    mode = mode[:-len("_paper")] if mode.endswith("_paper") else mode
     return "dynamic" if lr_rule_of(variant) else mode
 
 
@@ -90,10 +93,12 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
     rule = lr_rule_of(variant)
+    paper = variant in PAPER_VARIANTS
     variant = mode_of(variant)
     cfg = copy.deepcopy(base)
     # The base config's estimate variant (docs/estimate.md) applies to every variant with an estimate
-    estimate = (cfg.pop("acco", None) or {}).get("estimate")
+    estimate = "paper" if paper else (cfg.pop("acco", None) or {}).get("estimate")
+    cfg.pop("acco", None)
     cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
     cfg["gradient_accumulation_steps"] = spec["gas"]
     cfg.pop("train_batch_size", None)
