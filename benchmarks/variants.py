@@ -17,11 +17,13 @@ FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
 # stock with no-sync accumulation, and ACCO with AccoFSDP(sharded_params=True); named explicitly
 FSDP_SHARDED_VARIANTS = ("fsdp_stock_sharded", "fsdp_fixed_sharded")
 LR_VARIANTS = tuple(f"dynamic_{r}" for r in LR_RULES)  # DeepSpeed, named explicitly (not in 'all')
+# ACCO fixed with the paper's estimate ("estimate": "paper"), beside the default look-ahead's: named only
+PAPER_VARIANTS = ("fixed_paper",)
 # Stock ZeRO-1 with DeepSpeed's own overlap settings, named explicitly (not in 'all'): the stronger
 # baseline an ACCO speedup should also be measured against (docs/benchmarking.md says what an
 # emulated run can and cannot show of it).
 STOCK_OVERLAP = "stock_overlap"
-VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS + FSDP_SHARDED_VARIANTS + (STOCK_OVERLAP,)
+VARIANTS = DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS + FSDP_SHARDED_VARIANTS + PAPER_VARIANTS + (STOCK_OVERLAP,)
 
 
 def mode_of(variant: str) -> str:
@@ -31,6 +33,7 @@ def mode_of(variant: str) -> str:
         return "stock"
     mode = variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
     mode = mode[:-len("_sharded")] if mode.endswith("_sharded") else mode
+    mode = mode[:-len("_paper")] if mode.endswith("_paper") else mode
     return "dynamic" if lr_rule_of(variant) else mode
 
 
@@ -82,10 +85,12 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
     rule = lr_rule_of(variant)
     overlap = variant == STOCK_OVERLAP
+    paper = variant in PAPER_VARIANTS
     variant = mode_of(variant)
     cfg = copy.deepcopy(base)
     # The base config's estimate variant (docs/estimate.md) applies to every variant with an estimate
-    estimate = (cfg.pop("acco", None) or {}).get("estimate")
+    estimate = "paper" if paper else (cfg.pop("acco", None) or {}).get("estimate")
+    cfg.pop("acco", None)
     cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
     cfg["gradient_accumulation_steps"] = spec["gas"]
     cfg.pop("train_batch_size", None)

@@ -50,17 +50,22 @@ class MetricsConfig(BaseModel):
                           "wandb blocks).")
 
 
+DEFAULT_LR_SCALE = 2.0  # the look-ahead estimate: beat stock at every setting measured (docs/estimate.md)
+
+
 class EstimateConfig(BaseModel):
     """How the estimate round computes θ̃_{t+1} (docs/estimate.md gives each as its recurrence). The
-    paper's estimate is ``"estimate": "paper"`` (lr_scale 1, second_moment 'update', no delay
-    compensation)."""
+    default is the look-ahead estimate (lr_scale 2): the estimate's step takes twice the learning
+    rate. The paper's estimate is ``"estimate": "paper"`` (lr_scale 1, second_moment 'update', no
+    delay compensation), v0.3's behaviour bit for bit."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     lr_scale: float = Field(
-        1.0, gt=0, le=8, description="The estimate's optimizer step uses the learning rate times this (its "
-        "weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is computed "
-        "further along the update (a look-ahead).")
+        DEFAULT_LR_SCALE, gt=0, le=8, description="The estimate's optimizer step uses the learning rate times "
+        "this (its weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is "
+        "computed further along the update (a look-ahead). Default 2: held-out loss below stock's in every "
+        "setting measured, where the paper's estimate trails it by 0.2-1.4%.")
     second_moment: Literal["update", "committed"] = Field(
         "update", description="Adam's second moment in the estimate: 'update' it with the half-batch gradient "
         "(the paper), or reuse the 'committed' one (bias-corrected for the committed steps).")

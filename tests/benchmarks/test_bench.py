@@ -374,6 +374,10 @@ def test_variant_configs_differ_only_in_the_acco_block():
     cfgs = {v: variants.variant_config(base, v, spec) for v in variants.VARIANTS if v != variants.STOCK_OVERLAP}
     assert "acco" not in cfgs["stock"]
     assert cfgs["fixed"]["acco"] == {"enabled": True, "mode": "acco", "accumulation": "fixed"}
+    # the paper's estimate beside the default look-ahead's, whatever estimate the base config names
+    assert cfgs["fixed_paper"]["acco"] == dict(cfgs["fixed"]["acco"], estimate="paper")
+    la = variants.variant_config(dict(base, acco={"estimate": {"lr_scale": 1.5}}), "fixed_paper", spec)
+    assert la["acco"]["estimate"] == "paper" and variants.mode_of("fixed_paper") == "fixed"
     assert cfgs["dpu"]["acco"]["mode"] == "dpu"
     assert cfgs["dynamic"]["acco"]["dynamic"]["min_micro_batches"] == 8
     assert "lr_scaling" not in cfgs["dynamic"]["acco"]["dynamic"]

@@ -35,11 +35,11 @@ def library():
     import bench_workers
     spec = dict(SPEC, world=2)
     out = {}
-    for name, estimate, variants in (("plain", None, ["stock", "fixed"]), ("la2", {"lr_scale": 2.0}, ["fixed"])):
+    for name, estimate, variants in (("paper", "paper", ["stock", "fixed"]), ("la2", {"lr_scale": 2.0}, ["fixed"])):
         records = run_ranks(bench_workers.fidelity_runs, variants=variants, spec=copy.deepcopy(spec),
                             base_cfg=_base(estimate), timeout=scaled(240))[0]
         for v, rec in zip(variants, records):
-            out["stock" if v == "stock" else ("paper" if name == "plain" else "la2")] = [h["loss"] for h in rec["heldout"]]
+            out["stock" if v == "stock" else name] = [h["loss"] for h in rec["heldout"]]
     return out
 
 

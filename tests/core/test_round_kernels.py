@@ -157,3 +157,21 @@ def test_the_cpu_policy_walks_small_windows():
     accelerator = count("meta", [100 * M], "adamw", RoundKind.ESTIMATE)
     print(f"100M: {cpu.kernels} ops with the CPU policy, {accelerator.kernels} with the accelerator's")
     assert cpu.kernels > 10 * accelerator.kernels
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_the_look_ahead_estimate_dispatches_the_papers_ops(optimizer):
+    """The estimate's learning rate × c (acco.estimate.lr_scale) is a scalar of the same step: an
+    estimate round with lr_scale 2 dispatches exactly the paper's ops, op by op, so the look-ahead
+    costs no kernel and no byte (issue: a default variant must not lengthen the step)."""
+    def estimate_ops(lr_scale):
+        ctx, so = _setup("meta", _many(M, 64), optimizer, groups=2)
+        g = ctx.groups[0]
+        grads = [rounds.shard_mean(g.shard_views(g.reduce_view(RoundKind.ESTIMATE)), 8.0)]
+        param_grads = [pg for gs in grads for pg in g.param_grads(gs)]
+        with OpCounter() as counter:
+            so.estimate_into(param_grads, g.shard_views(g.gather_view()), lr_scale=lr_scale)
+        return counter
+    paper, look_ahead = estimate_ops(1.0), estimate_ops(2.0)
+    assert paper.kernels > 0
+    assert look_ahead.ops == paper.ops, f"paper: {paper.report()}\nlr_scale 2: {look_ahead.report()}"

@@ -10,7 +10,7 @@ import torch
 
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer, make_scheduler
-from reference import reference_run, rel_distance
+from reference import DEFAULT_LR_SCALE, PAPER_LR_SCALE, reference_run, rel_distance
 from timeouts import scaled
 import workers
 
@@ -50,7 +50,10 @@ CASES = [
     {"name": "warmup-all", "warmup": STEPS, "ref": {"sync_warmup_steps": STEPS}, "optimizer": "adamw",
      "probe_at": (3, 7)},
     {"name": "stock", "acco": None, "ref": {}, "optimizer": "adamw", "probe_at": (3, 7)},
-    {"name": "paper", "estimate": "paper", "ref": {}, "optimizer": "adamw"},
+    {"name": "paper", "estimate": "paper", "ref": {"lr_scale": PAPER_LR_SCALE}, "optimizer": "adamw"},
+    # v0.3's estimate spelt out key by key: what "paper" must equal bit for bit
+    {"name": "paper-keys", "estimate": {"lr_scale": 1.0, "second_moment": "update", "delay_compensation": 0.0},
+     "ref": {"lr_scale": PAPER_LR_SCALE}, "optimizer": "adamw"},
     {"name": "default", "estimate": None, "ref": {}, "optimizer": "adamw"},
 ]
 
@@ -81,10 +84,14 @@ def _reference(c, steps=None, mode="acco", **variant):
                          make_scheduler=make_scheduler("inv"), clip=c.get("clip", 0.0), **variant)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c["ref"] and "acco" not in c], ids=lambda c: c["name"])
+VARIANTS = [c for c in CASES if c["ref"] and "acco" not in c and c["ref"].get("lr_scale") != PAPER_LR_SCALE]
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=lambda c: c["name"])
 def test_variant_matches_its_recurrence_and_not_the_papers(runs, case):
     r0, r1 = runs[case["name"]]
-    want, paper = _reference(case, **case["ref"]), _reference(case, **case.get("paper", {}))
+    want = _reference(case, **case["ref"])
+    paper = _reference(case, **{"lr_scale": PAPER_LR_SCALE, **case.get("paper", {})})
     err, apart = rel_distance(r0["final"], want), rel_distance(paper, want)
     print(f"{case['name']}: relative error {err:.2e}; the paper's schedule is {apart:.2e} away")
     assert err < 1e-5
@@ -94,11 +101,30 @@ def test_variant_matches_its_recurrence_and_not_the_papers(runs, case):
 
 
 def test_the_paper_key_is_the_papers_schedule_bit_for_bit(runs):
-    paper, plain = runs["paper"][0], runs["default"][0]
-    want = _reference(CASES[-1])
+    """``"estimate": "paper"`` is v0.3's estimate (lr_scale 1, v updated, no compensation) bit for bit,
+    and the paper's recurrence; the default is not (it is the look-ahead's, below)."""
+    paper, keys = runs["paper"][0], runs["paper-keys"][0]
+    want = _reference(CASES[-1], lr_scale=PAPER_LR_SCALE)
     assert rel_distance(paper["final"], want) < 1e-5
-    assert all(torch.equal(paper["final"][n], plain["final"][n]) for n in paper["final"])
-    assert paper["losses"] == plain["losses"]
+    assert all(torch.equal(paper["final"][n], keys["final"][n]) for n in paper["final"])
+    assert paper["losses"] == keys["losses"]
+
+
+def test_the_default_estimate_is_the_look_ahead():
+    """The default the reference assumes is the library's (each written down on its own)."""
+    from ds_acco.config import AccoConfig
+    assert AccoConfig.from_block({"enabled": True}).estimate.lr_scale == DEFAULT_LR_SCALE == 2.0
+    assert AccoConfig.from_block({"enabled": True, "estimate": "paper"}).estimate.lr_scale == PAPER_LR_SCALE
+
+
+def test_the_default_run_is_the_look_ahead_recurrence_bit_for_bit(runs):
+    """A config without an estimate key runs lr_scale 2: the same bits as asking for it, on the
+    look-ahead's recurrence and away from the paper's."""
+    default, la2 = runs["default"][0], runs["lr-scale-2-adamw"][0]
+    assert all(torch.equal(default["final"][n], la2["final"][n]) for n in default["final"])
+    assert default["losses"] == la2["losses"]
+    want, paper = _reference(CASES[-1]), _reference(CASES[-1], lr_scale=PAPER_LR_SCALE)
+    assert rel_distance(default["final"], want) < 1e-5 < 100 * 1e-5 < rel_distance(paper, want)
 
 
 def test_delay_compensation_skips_as_the_reference_does(runs):

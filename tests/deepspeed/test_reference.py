@@ -55,7 +55,9 @@ def test_matches_reference(runs, case, record_property):
         unclipped = reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=STEPS, mode=case["mode"],
                                   make_optimizer=make_optimizer(case["optimizer"]),
                                   make_scheduler=make_scheduler(case["schedule"]))
-        assert rel_error({n: v.float() for n, v in unclipped.items()}, want) > 1e-3
+        # Adam normalises a clipped gradient's scale away but for ε and the step-to-step ratios: the
+        # clip moves θ_T by ~9e-4 here, still 50x the tolerance below
+        assert rel_error({n: v.float() for n, v in unclipped.items()}, want) > 5e-4
     assert err < 1e-5
     for n in r0["final"]:  # both ranks hold the same committed weights
         assert torch.equal(r0["final"][n], r1["final"][n])

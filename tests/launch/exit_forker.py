@@ -106,6 +106,9 @@ def _wait(pid: int, deadline_s: float):
 
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
+    # A suite started as a background job of a non-interactive shell inherits SIGINT ignored, and
+    # then the "sigint" cases would never be interrupted: give the children Python's own handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(sys.argv[3]) as f:
         cases = json.load(f)
     out_dir = sys.argv[4]
