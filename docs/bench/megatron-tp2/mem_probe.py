@@ -2,7 +2,7 @@
 kernel's peak-RSS mark just before Megatron builds the model and the DeepSpeed engine
 (megatron.training.setup_model_and_optimizer), and at exit write this rank's peak RSS above that
 baseline to $MEM_PROBE_OUT/rank<R>.json, with the parameter count of its tensor-parallel shard.
-The same measurement as ds_acco's A/B runner (`ab --memory`: ds_acco.bench.worker.reset_peak_rss /
+The same measurement as ds_acco's A/B runner (`ab --memory`: benchmarks.worker.reset_peak_rss /
 peak_rss). With MEM_PROBE_TRACE=1 it also records (call, RSS MiB, peak MiB above the baseline)
 after each engine forward / backward / step, to see where a peak arises.
 Usage (the script argument order of ds_acco run is kept):
@@ -18,7 +18,9 @@ import deepspeed
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run_script, beside this file
 import run_script  # noqa: E402
 
-from ds_acco.bench.worker import _status_kb, peak_rss, reset_peak_rss
+# the checkout's benchmarks/ (not installed): this file sits in docs/bench/megatron-tp2/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+from benchmarks.worker import _status_kb, peak_rss, reset_peak_rss  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 OUT = os.environ["MEM_PROBE_OUT"]

@@ -1,5 +1,5 @@
 """Peak RSS per rank of the `run_tp2.sh memory` launches (mem_probe.py's rank<R>.json), stock vs ACCO,
-with the README's per-rank formula (ds_acco.bench.memory_model) beside each.
+with the README's per-rank formula (benchmarks.memory_model) beside each.
     python mem_table.py mem/    ->  a markdown table on stdout
 A run's figure is its largest rank (the one that sets the job's memory); the table gives the median
 over repeats with every run in parentheses, and each rank's median below it."""
@@ -9,7 +9,8 @@ import os
 import statistics
 import sys
 
-from ds_acco.bench.memory_model import state_bytes, state_terms
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # benchmarks/
+from benchmarks.memory_model import state_bytes, state_terms  # noqa: E402
 
 MiB = 2 ** 20
 DP = 2  # data-parallel size of the TP 2 x DP 2 launches
@@ -31,7 +32,7 @@ n = next(iter(runs["stock"][0].values()))["n_params"]
 buf = n * 4 / MiB
 print(f"N = {n:,} parameters per tensor-parallel rank, TP 2 x DP 2 (4 ranks); one buffer B = N x 4 bytes "
       f"= {buf:.0f} MiB; target ACCO <= stock + 1.25 B = + {1.25 * buf:.0f} MiB. Formula: README "
-      "\"Memory per rank\" (ds_acco/bench/memory_model.py), fp32, Adam, model states only, W = DP = 2.\n")
+      "\"Memory per rank\" (benchmarks/memory_model.py), fp32, Adam, model states only, W = DP = 2.\n")
 print("| variant | peak RSS Δ MiB of the largest rank, median (runs) | − stock | in B | per rank (median) | "
       "formula MiB | formula − stock |")
 print("|---|---|---|---|---|---|---|")
