@@ -3,15 +3,30 @@ dispatch mode attributing every op's byte ranges read and written, and a torch f
 the host's blocking reads of device values."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-if TYPE_CHECKING:  # the accelerator these modes report to
-    from .recording import RecordingAccelerator
+
+class RecordingSink(Protocol):
+    """What the recorders report to (``recording.RecordingAccelerator`` provides it; a protocol, so that
+    this module does not import the accelerator that imports it)."""
+
+    inner: Any
+    _local: Any  # per thread: ``reading`` while a read is being counted
+    _host: set  # allocations computed from host tensors only
+
+    def _on_device(self, t: torch.Tensor) -> bool: ...
+
+    def _op(self, what: str, accesses, fresh, device: Optional[int]) -> None: ...
+
+    def is_host(self, t: torch.Tensor) -> bool: ...
+
+    def _read(self, what: str) -> None: ...
+
 
 # Host reads of a tensor's value: each blocks until the device has produced it.
 HOST_READS = frozenset({"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__",
@@ -39,7 +54,7 @@ _C10D_WRITES = ("tensors", "output", "output_tensor", "output_tensors", "outputs
 class OpRecorder(TorchDispatchMode):
     """Attributes every op to the thread's current stream, with the bytes it reads and writes."""
 
-    def __init__(self, acc: RecordingAccelerator):
+    def __init__(self, acc: RecordingSink):
         super().__init__()
         self.acc = acc
 
@@ -115,7 +130,7 @@ def _blocking_transfer(func, args, kwargs, out) -> bool:
 class ReadRecorder(TorchFunctionMode):
     """Counts the host's reads of tensor values (see :data:`HOST_READS`)."""
 
-    def __init__(self, acc: RecordingAccelerator):
+    def __init__(self, acc: RecordingSink):
         super().__init__()
         self.acc = acc
 
