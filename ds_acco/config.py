@@ -9,13 +9,27 @@ import base64
 import json
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Union
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ACCO_KEY = "acco"
+
+if TYPE_CHECKING:
+    from .core.refusals import ParallelLayout
+
+# What ACCO refuses lives in ds_acco.core.refusals (one table); these names kept their old import
+# path. Resolved on first use: importing the config must not import the core.
+_IN_REFUSALS = ("LAYOUT_REFUSALS", "LOCKSTEP_FIX", "LOCKSTEP_WHY", "UNEVEN_STEPS", "ParallelLayout",
+                "caller_boundary_refusal", "check_deepspeed_compat", "check_layout", "check_lockstep",
+                "check_schedule_compat")
+
+
+def __getattr__(name: str):
+    if name in _IN_REFUSALS:
+        from .core import refusals
+        return getattr(refusals, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DynamicConfig(BaseModel):
@@ -291,153 +305,6 @@ def acco_config_of(ds_config: Optional[Mapping[str, Any]]) -> AccoConfig:
     return AccoConfig.from_block((ds_config or {}).get(ACCO_KEY))
 
 
-def check_schedule_compat(acco: AccoConfig, gradient_accumulation_steps: int, fp16=None) -> None:
-    """Checks every adapter shares: the accumulation count fits the mode; under fp16 (``fp16``:
-    DeepSpeed's parsed ``DeepSpeedFP16Config``, or None) fp32 master shards and gradients, and
-    overflows skipped (not raised) with dynamic loss scaling."""
-    gas = gradient_accumulation_steps
-    fp16 = fp16 if fp16 is not None and fp16.enabled else None
-    fp16_dynamic_loss_scale = fp16 is not None and fp16.loss_scale == 0
-    if fp16 is not None and getattr(fp16, "fp16_master_weights_and_grads", False):
-        raise ValueError("fp16.fp16_master_weights_and_grads = true: ACCO keeps fp32 master shards and accumulates "
-                         "gradients in fp32; fix: remove fp16_master_weights_and_grads or disable acco")
-    if acco.mode == "acco" and (gas < 2 or gas % 2):
-        raise ValueError(f"gradient_accumulation_steps = {gas}: acco.mode 'acco' splits each optimizer step into "
-                         "two equal halves (estimate, commit), so it needs an even value >= 2; fix: set "
-                         f"gradient_accumulation_steps to {max(2, gas + gas % 2)} or use \"mode\": \"dpu\"")
-    if fp16_dynamic_loss_scale and acco.estimate_comm_dtype == "fp16":
-        raise ValueError("acco.estimate_comm_dtype = 'fp16' with fp16 dynamic loss scaling: the estimate round would "
-                         "sum loss-scaled gradients over the ranks in fp16, and its overflows are not fed to the "
-                         "scaler (only commits are, once per step), so estimates could fall back to θ unnoticed; "
-                         "fix: use 'bf16' for the estimate round (same bytes, fp32's range) or remove it")
-    if fp16_dynamic_loss_scale and acco.nonfinite == "raise":
-        raise ValueError("acco.nonfinite = 'raise' with fp16 dynamic loss scaling (fp16.loss_scale = 0): overflows "
-                         "are how the dynamic scaler finds its scale (the step is skipped and the scale halved), so "
-                         "raising would stop the run at the first one; fix: set acco.nonfinite to 'skip', or a "
-                         "static fp16.loss_scale > 0")
-
-
-# Why a caller that counts A micro-batches per rank per optimizer step (Megatron, HF Trainer /
-# Accelerate) cannot follow each policy: the reasons its refusals give.
-UNEVEN_STEPS = {
-    "dynamic": "dynamic ACCO commits a step whenever a round finishes, with as many micro-batches as fitted "
-               "under it (twice per iteration, or more), so its LR schedule and step counts would run ahead of "
-               "its own",
-    "shared": "shared ACCO keeps the global batch but gives each rank its own number of micro-batches per step "
-              "(its share by measured speed), so every rank's count of A micro-batches per step drifts from the "
-              "committed steps, differently on each rank, and the ranks stop evaluating and saving at the same "
-              "points",
-}
-
-
-LOCKSTEP_WHY = ("it gives each rank its own number of micro-batches per phase, but every micro-batch runs collectives "
-                "with the other ranks, which must all compute the same micro-batches")
-LOCKSTEP_FIX = "set \"accumulation\": \"fixed\""
-
-
-def check_lockstep(acco: AccoConfig, collective: str) -> None:
-    """Refuses per-rank phase lengths ('dynamic', 'shared') where every micro-batch's forward or
-    backward runs collectives with other ranks (``collective`` says which): those pair by issue
-    order, so a rank that computes one micro-batch more than its peers would pair its collectives
-    with theirs of another phase (a hang, or weights gathered from different phases' sources)."""
-    if acco.accumulation in ("dynamic", "shared"):
-        raise ValueError(f"acco.accumulation = {acco.accumulation!r} with {collective}: {LOCKSTEP_WHY}; "
-                         f"fix: {LOCKSTEP_FIX}")
-
-
-# -- parallel layouts: what ACCO refuses, why, and the fix -----------------------------------------
-@dataclass(frozen=True)
-class ParallelLayout:
-    """The parallelism a DeepSpeed engine runs under: as the engine built it (its groups), or,
-    before it exists, as the caller asked for it (its ``mpu``, the config). Each size comes with
-    where it was read (``*_from``), which the refusals quote."""
-
-    tensor_parallel: int = 1
-    tensor_parallel_from: str = ""
-    pipeline_parallel: int = 1
-    pipeline_parallel_from: str = ""
-    sequence_parallel: int = 1  # DeepSpeed-Ulysses: ZeRO reduces over the sequence-data-parallel group
-    sequence_parallel_from: str = ""
-    sequence_parallel_params: tuple = ()  # Megatron --sequence-parallel: names of params marked sequence_parallel
-    expert_params: tuple = ()  # MoE experts (param.allreduce = False): names
-    caller_sets_boundary: bool = False  # Megatron-style caller: its mpu, or a scheduler stepped with increment=
-
-
-@dataclass(frozen=True)
-class LayoutRefusal:
-    """One row of :data:`LAYOUT_REFUSALS`: ``found(acco, layout)`` names the setting it refuses
-    (None: the row does not apply); ``why`` and ``fix`` may use ``{accumulation}`` and
-    ``{uneven_steps}`` (the policy's reason from :data:`UNEVEN_STEPS`)."""
-
-    what: str
-    found: Callable[[AccoConfig, ParallelLayout], Optional[str]]
-    why: str
-    fix: str
-
-    def message(self, acco: AccoConfig, found: str) -> str:
-        fields = {"accumulation": acco.accumulation, "uneven_steps": UNEVEN_STEPS.get(acco.accumulation, "")}
-        return f"{found}: {self.why.format(**fields)}; fix: {self.fix.format(**fields)}"
-
-
-def _per_rank_phases(acco: AccoConfig) -> bool:
-    return acco.accumulation in ("dynamic", "shared")
-
-
-LAYOUT_REFUSALS = (
-    LayoutRefusal(
-        "pipeline parallelism",
-        lambda a, l: l.pipeline_parallel > 1 and (
-            f"acco.enabled = true with pipeline parallelism: {l.pipeline_parallel_from} = {l.pipeline_parallel}"),
-        "ACCO runs on DeepSpeed's ZeRO-1 engine, not its pipeline engine, which schedules its own micro-batches "
-        "and reduces per stage",
-        "run with --pipeline-model-parallel-size 1 --no-pipeline-parallel (tensor parallelism is supported), or "
-        "disable acco"),
-    LayoutRefusal(
-        "sequence parallelism (DeepSpeed-Ulysses)",
-        lambda a, l: l.sequence_parallel > 1 and (
-            f"acco.enabled = true with sequence parallelism: {l.sequence_parallel_from} = {l.sequence_parallel}"),
-        "ZeRO then reduces over the sequence-data-parallel group, which ACCO's rounds do not support yet",
-        "--ds-sequence-parallel-size 1 (no sequence_parallel_size in the config, no sequence-parallel mesh; tensor "
-        "parallelism is supported), or disable acco"),
-    LayoutRefusal(
-        "Megatron's sequence parallelism (--sequence-parallel)",
-        lambda a, l: l.tensor_parallel > 1 and l.sequence_parallel_params and (
-            f"acco.enabled = true with Megatron's sequence parallelism: {len(l.sequence_parallel_params)} parameters "
-            f"marked sequence_parallel = True (e.g. {l.sequence_parallel_params[0]!r}) under tensor parallelism "
-            f"({l.tensor_parallel_from} = {l.tensor_parallel})"),
-        "each tensor-parallel rank computes the gradients of those parameters (layer norms, row-parallel biases) "
-        "on its own slice of the sequence, so they must be summed over the tensor-parallel group before the "
-        "optimizer step; Megatron does that in its own optimizer (reduce_model_grads), which its train_step skips "
-        "under --deepspeed, and neither DeepSpeed's ZeRO nor ACCO does it, so the tensor-parallel copies of those "
-        "parameters would drift apart",
-        "run without --sequence-parallel (tensor parallelism alone is supported), or disable acco"),
-    LayoutRefusal(
-        "MoE experts",
-        lambda a, l: bool(l.expert_params) and (
-            f"acco.enabled = true with MoE expert parameters ({len(l.expert_params)}, e.g. {l.expert_params[0]!r}: "
-            "param.allreduce = False)"),
-        "ACCO does not partition expert groups",
-        "train the MoE model with stock ZeRO (disable acco)"),
-    LayoutRefusal(
-        "per-rank phase lengths under tensor parallelism",
-        lambda a, l: _per_rank_phases(a) and l.tensor_parallel > 1 and (
-            f"acco.accumulation = {a.accumulation!r} with tensor parallelism "
-            f"({l.tensor_parallel_from} = {l.tensor_parallel}: every forward and backward runs collectives over "
-            "the tensor-parallel group)"),
-        LOCKSTEP_WHY,
-        LOCKSTEP_FIX),
-    LayoutRefusal(
-        "per-rank phase lengths with a caller that sets the accumulation boundary",
-        lambda a, l: _per_rank_phases(a) and l.caller_sets_boundary and (
-            f"acco.accumulation = {a.accumulation!r} with a caller that sets the accumulation boundary and calls "
-            "step() once per iteration (Megatron-DeepSpeed's train_step)"),
-        "the caller counts one optimizer step, one lr_kwargs increment and one global batch per iteration of A "
-        "micro-batches on every rank, while {uneven_steps}",
-        "use \"accumulation\": \"fixed\" (the same batches and steps as stock), or drive the engine with "
-        "engine.backward + engine.step per micro-batch and loop on engine.global_steps"),
-)
-
-
 def _size(mpu, *names) -> tuple:
     """The first of ``names`` the mpu answers: (its value, where it was read)."""
     for name in names:
@@ -473,6 +340,7 @@ def requested_layout(raw: Optional[Mapping[str, Any]], mpu: Any = None, model: A
     """The layout a ``deepspeed.initialize`` call asks for, read before any engine or process group
     exists: its ``mpu``, the config's ``tensor_parallel.autotp_size`` / ``sequence_parallel_size``,
     ``mesh_param``, the model's marked parameters, a scheduler stepped with ``increment=``."""
+    from .core.refusals import ParallelLayout
     raw = raw or {}
     tp, tp_from = _size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
     autotp = (raw.get("tensor_parallel") or {}).get("autotp_size") or 0
@@ -489,24 +357,6 @@ def requested_layout(raw: Optional[Mapping[str, Any]], mpu: Any = None, model: A
                           pipeline_parallel_from=pp_from, sequence_parallel=sp, sequence_parallel_from=sp_from,
                           sequence_parallel_params=sequence_parallel_params, expert_params=expert_params,
                           caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
-
-
-def check_layout(acco: AccoConfig, layout: ParallelLayout) -> None:
-    """Raise the first :data:`LAYOUT_REFUSALS` row that applies to an enabled ``acco`` under
-    ``layout`` (a ``ValueError`` with the setting found, the reason and the fix)."""
-    if not acco.enabled:
-        return
-    for row in LAYOUT_REFUSALS:
-        found = row.found(acco, layout)
-        if found:
-            raise ValueError(row.message(acco, found))
-
-
-def caller_boundary_refusal(accumulation: str) -> str:
-    """The refusal of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
-    acco = AccoConfig(enabled=True, accumulation=accumulation)
-    row = LAYOUT_REFUSALS[-1]
-    return row.message(acco, row.found(acco, ParallelLayout(caller_sets_boundary=True)))
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -563,31 +413,6 @@ def deepspeed_config_at(ds_config: dict, world_size: int):
         raise RuntimeError(f"could not check at data-parallel size {world_size}: this DeepSpeed's config parser "
                            f"used {ds.world_size}")
     return ds
-
-
-def check_deepspeed_compat(acco: AccoConfig, ds) -> None:
-    """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
-    check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
-    autocast_dtype = getattr(ds, "torch_autocast_dtype", None)
-    if getattr(ds, "torch_autocast_enabled", False) and autocast_dtype in (None, torch.float16):
-        raise ValueError(f"torch_autocast.enabled = true with dtype {autocast_dtype or 'unset'}: fp16 autocast makes "
-                         "DeepSpeed scale losses with a torch GradScaler that ACCO's rounds do not divide out; fix: set "
-                         "torch_autocast.dtype to \"bf16\", use the \"fp16\" block (DeepSpeed's loss scaler, "
-                         "supported), or disable acco")
-    stage = ds.zero_config.stage if ds.zero_enabled else 0
-    if stage != 1:
-        raise ValueError(f"zero_optimization.stage = {stage}: ACCO is a ZeRO stage 1 optimizer; fix: set "
-                         "\"zero_optimization\": {\"stage\": 1} or disable acco")
-    offload = ds.zero_config.offload_optimizer
-    device = str(getattr(getattr(offload, "device", None), "value", getattr(offload, "device", "none")))
-    if offload is not None and device != "none":
-        raise ValueError(f"zero_optimization.offload_optimizer.device = {device!r}: ACCO keeps the "
-                         "sharded optimizer on the accelerator; fix: remove offload_optimizer or disable acco")
-    if getattr(ds.zero_config, "zenflow", None) is not None:
-        raise ValueError("zero_optimization.zenflow is set: ZenFlow replaces the ZeRO optimizer ACCO extends; "
-                         "fix: remove zenflow or disable acco")
-    if getattr(ds, "hybrid_engine", None) is not None and ds.hybrid_engine.enabled:
-        raise ValueError("hybrid_engine.enabled = true: not supported with ACCO; fix: disable one of them")
 
 
 # -- an enabled block that would train stock ---------------------------------------------------------

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import signal
 import threading
 import weakref
@@ -38,6 +37,7 @@ from ..comm.streams import stream_accelerator
 from ..metrics import StepMetrics, format_line, scalar_items
 from .buffers import BufferGroup
 from .phases import FixedPhases, SharedPhases
+from .refusals import check_estimate_variant, one_queue_serialisation
 from .report import RoundReport
 from .rounds import RoundKind, RoundResult
 from .schedule import AccoSchedule, ScheduleOptions
@@ -60,48 +60,6 @@ def check_same_on_all_ranks(settings: dict, what: str, group=None) -> None:
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
         raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
-
-
-def one_hardware_queue(device: torch.device) -> bool:
-    """Whether ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's launch scripts export it) gives this
-    accelerator one hardware queue, shared by every stream."""
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
-    return device.type != "cpu" and value.isdigit() and int(value) == 1
-
-
-def one_queue_serialisation(device: torch.device, synchronous: bool) -> Optional[str]:
-    """Why the rounds must run synchronously here, or None (docs/collective_order.md).
-
-    With one hardware queue, a round's collectives (the lane's communicator, launched from the
-    lane's thread) and a collective the compute side launches on another communicator while the
-    round is in flight (a tensor-parallel all-reduce, FSDP's all-gather, a loss averaged for
-    logging) sit in one FIFO in an order that differs from rank to rank; each waits at the head of
-    the queue for a kernel queued behind the other on its peer: a deadlock across ranks. Run
-    synchronously, every rank launches the rounds' collectives from the compute thread in program
-    order. The caller makes the rounds synchronous and warns with this text."""
-    if synchronous or not one_hardware_queue(device):
-        return None
-    return ("ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's launch scripts export it) gives the device one "
-            "hardware queue: a round's collectives, launched from the communication thread, and any collective "
-            "the compute side launches on another process group meanwhile (tensor parallelism, FSDP's all-gathers, "
-            "a loss averaged for logging) would share it in an order that differs between ranks, which can "
-            "deadlock across ranks. The rounds therefore run synchronously (acco.synchronous = true): correct, "
-            "but nothing overlaps; fix: unset CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (Megatron-DeepSpeed needs "
-            "it only for --sequence-parallel)")
-
-
-def _check_estimate_variant(config, shard_optimizer: ShardOptimizer) -> None:
-    """The estimate variants that read Adam's second moment need an optimizer that has one and a
-    functional step (torch Adam / AdamW): refuse any other, naming the key and the fix."""
-    est = config.estimate
-    needs = [f"second_moment = {est.second_moment!r}"] if est.second_moment == "committed" else []
-    if est.delay_compensation:
-        needs.append(f"delay_compensation = {est.delay_compensation!r}")
-    if needs and not shard_optimizer.committed_second_moment:
-        raise ValueError(f"acco.estimate.{' and '.join(needs)} reads the committed second moment of torch Adam / "
-                         f"AdamW, which {type(shard_optimizer.optimizer).__name__} (with these settings) does not "
-                         "give; fix: use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true, no capturable "
-                         "or differentiable) or remove the key")
 
 
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
@@ -171,7 +129,7 @@ class AccoDriver:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
-        _check_estimate_variant(config, self.shard_optimizer)
+        check_estimate_variant(config.estimate, self.shard_optimizer)
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)

@@ -19,10 +19,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
-from ..config import (AccoConfig, ParallelLayout, acco_config_of, caller_boundary_refusal, check_deepspeed_compat,
-                      check_layout, load_ds_config, marked_params, note_opt_out, opted_out, requested_layout,
-                      steps_with_increment)
+from ..config import (AccoConfig, acco_config_of, load_ds_config, marked_params, note_opt_out, opted_out,
+                      requested_layout, steps_with_increment)
 from ..core import publish
+from ..core.refusals import ParallelLayout, check_deepspeed_compat, check_layout, refuse, under_caller_boundary
 from ..core.phases import FixedPhases
 from ..core.driver import check_same_on_all_ranks
 from ..weights import ExportHooks
@@ -65,9 +65,8 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_exports = None  # ExportHooks: every state_dict() of the model reads the committed θ
         super().__init__(*args, **kwargs)
         if not isinstance(self.optimizer, AccoZeroOptimizer):
-            raise ValueError(f"acco.enabled = true but DeepSpeed built {type(self.optimizer).__name__}, not a ZeRO "
-                             "stage 1 optimizer; fix: use \"zero_optimization\": {\"stage\": 1} with an optimizer "
-                             "(client or \"optimizer\" block), or disable acco")
+            raise refuse("not_zero1_optimizer", f"acco.enabled = true but DeepSpeed built "
+                                                f"{type(self.optimizer).__name__}")
         driver = self.optimizer.driver
         driver.monitor = self.monitor
         driver.install_sigterm(save=self.save_checkpoint)
@@ -144,7 +143,7 @@ class AccoEngine(DeepSpeedEngine):
         if self._acco_driver() is None:
             return super().set_gradient_accumulation_boundary(is_boundary)
         if self._acco_config.accumulation != "fixed":
-            raise ValueError(_caller_boundary_refusal(self._acco_config.accumulation))
+            raise under_caller_boundary(self._acco_config.accumulation)
         self._acco_caller_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
@@ -170,9 +169,7 @@ class AccoEngine(DeepSpeedEngine):
                                  "weighting 'sample' or 'token'")
             return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         if not scale_wrt_gas:
-            raise ValueError("engine.backward(..., scale_wrt_gas=False) with ACCO: the mean gradient is formed "
-                             "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True "
-                             "(HF Trainer / Accelerate: call ds_acco.install() before building the Trainer)")
+            raise refuse("unscaled_backward", "engine.backward(..., scale_wrt_gas=False) with ACCO")
         self._acco_leave_committed_weights()  # a backward after eval() without train(): back on the live weights
         self._acco_weight = driver.check_weight(weight, "engine.backward")
         out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
@@ -428,9 +425,6 @@ def _built_layout(engine: DeepSpeedEngine, model, mpu, lr_scheduler) -> Parallel
                           caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
 
 
-_caller_boundary_refusal = caller_boundary_refusal  # AccoEngine.set_gradient_accumulation_boundary raises it
-
-
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
     """Same parameters and return value as ``deepspeed.initialize``.
 
@@ -455,10 +449,7 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
     from deepspeed.runtime.pipe.module import PipelineModule
     if isinstance(model, PipelineModule):
-        raise ValueError("acco.enabled = true with a PipelineModule: DeepSpeed's pipeline engine is not supported "
-                         "by ACCO; fix: train without pipeline parallelism (Megatron-DeepSpeed builds a "
-                         "PipelineModule even with --pipeline-model-parallel-size 1 unless you pass "
-                         "--no-pipeline-parallel), or disable acco")
+        raise refuse("pipeline_module", "acco.enabled = true with a PipelineModule")
 
     def build(*a, **kw):
         return AccoEngine(*a, acco_config=acco, **kw)

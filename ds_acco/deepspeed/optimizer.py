@@ -21,6 +21,7 @@ from deepspeed.utils import logger
 from ..config import AccoConfig
 from ..core.buffers import FlatBuffers
 from ..core.driver import AccoDriver
+from ..core.refusals import check_estimate_dtype
 from . import functional  # noqa: F401 -- registers DeepSpeed's Adams' functional estimates with the core
 
 ACCO_STATE_KEY = "acco_state"
@@ -91,10 +92,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         world = dist.get_world_size(group=self.dp_process_group)
         rank = dist.get_rank(group=self.dp_process_group)
         estimate_dtype = _DTYPES[acco_config.estimate_comm_dtype] if acco_config.estimate_comm_dtype else None
-        if estimate_dtype is not None and estimate_dtype.itemsize > comm_dtype.itemsize:
-            raise ValueError(f"acco.estimate_comm_dtype = {acco_config.estimate_comm_dtype!r} is wider than the "
-                             f"communication dtype {comm_dtype}; fix: use a narrower one (e.g. 'bf16'), or set "
-                             "DeepSpeed's communication_data_type / data_types.grad_accum_dtype to fp32")
+        check_estimate_dtype("estimate_dtype_deepspeed", acco_config.estimate_comm_dtype, estimate_dtype, comm_dtype)
         groups = []
         for i, live in enumerate(self.bit16_groups_flat):
             grads = torch.zeros(live.numel(), dtype=accum_dtype, device=live.device)
