@@ -25,7 +25,7 @@ import signal
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from ..comm.groups import destroyable, new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
 from ..metrics import StepMetrics, format_line, scalar_items
-from .buffers import BufferGroup
+from .host import Host
 from .phases import FixedPhases, SharedPhases
 from .refusals import check_estimate_variant, one_queue_serialisation
 from .report import RoundReport
@@ -81,55 +81,21 @@ class AccoDriver:
 
     Args:
         config: the validated ``"acco"`` block.
-        groups: the adapter's buffer groups.
-        optimizer: the torch optimizer whose parameters are exactly the groups' shard parameters.
-        process_group: the data-parallel group (None: the default group).
-        model_parallel_group: tensor parallelism: the group of this rank's tensor-parallel peers
-            (None or size 1: none). The gradient norm, and so the skip and the clip, is then summed
-            over it too; buffer groups count replicated parameters on one of its ranks only
-            (``BufferGroup.norm_ranges``). Every rank of the world must build an engine.
-        gradient_accumulation_steps, clip_grad: the framework's settings.
-        device: where G and B live (the lane runs its rounds with this device current).
-        accelerator: the streams and events the lane uses on ``device`` (:mod:`ds_acco.comm.streams`):
-            DeepSpeed's accelerator from the DeepSpeed adapter; default torch's (None on CPU).
-        host: the adapter's object whose ``global_steps`` and ``skipped_steps`` count commits.
-        step_lr_scheduler: called once per applied (not skipped) commit, where stock steps its
-            scheduler: at the end of the micro-batch call (``step()``) that launched the commit, or
-            when the adapter says so (:meth:`step_lr_scheduler_owed`). A commit found skipped
-            later has that step undone (see :class:`_LRBookkeeping`); it may return the step's
-            inverse (a callable), used for schedulers whose ``load_state_dict()`` does not restore.
-        lr_scheduler: returns the scheduler object ``step_lr_scheduler`` steps (for the undo), or None.
-        loss_scale: the fp16 loss scale backward passes use now (None: no loss scaling).
-        update_loss_scale: called with ``skipped`` once per committed step (dynamic loss scaling
-            updates its scaler there); returns the loss scale to report, or None without fp16.
-        after_commit: the adapter's own per-commit bookkeeping, ``(result, record)``.
-        framework: named in the banner and in errors.
-        announce: where rank 0's start-up banner goes (default: ``log``); it must be visible by
-            default, e.g. DeepSpeed's logger at WARNING (DeepSpeed 0.19 hides INFO).
+        host: what the adapter built and its side of a commit (:class:`~ds_acco.core.host.Host`).
+            Under tensor parallelism every rank of the world must build one.
     """
 
-    def __init__(self, config, *, groups: Sequence[BufferGroup], optimizer: torch.optim.Optimizer, process_group,
-                 gradient_accumulation_steps: int, clip_grad: float, device: torch.device, host: Any,
-                 model_parallel_group=None,
-                 step_lr_scheduler: Optional[Callable[[], Any]] = None,
-                 lr_scheduler: Optional[Callable[[], Any]] = None,
-                 loss_scale: Optional[Callable[[], float]] = None,
-                 update_loss_scale: Optional[Callable[[bool], Optional[float]]] = None,
-                 after_commit: Optional[Callable[[RoundResult, dict], None]] = None,
-                 monitor: Any = None, log: Optional[Callable[[str], None]] = None, framework: str = "",
-                 announce: Optional[Callable[[str], None]] = None, accelerator: Any = None):
+    def __init__(self, config, host: Host):
         self.config = config
-        self.log = log or logger.info
         self.host = host
-        self.lr = _LRBookkeeping(step_lr_scheduler, lr_scheduler or (lambda: None), lambda: optimizer)
-        self.update_loss_scale = update_loss_scale
-        self.after_commit = after_commit
-        self.monitor = monitor
-        self.loss_scale = loss_scale
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.log = host.log
+        optimizer, groups, device = host.optimizer, host.groups, host.device
+        self.lr = _LRBookkeeping(host.step_lr_scheduler, host.lr_scheduler, lambda: optimizer)
+        self.gradient_accumulation_steps = host.gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
         check_estimate_variant(config.estimate, self.shard_optimizer)
+        process_group, model_parallel_group = host.process_group, host.model_parallel_group
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)
@@ -149,15 +115,15 @@ class AccoDriver:
         else:
             self.process_group = new_rounds_group(ranks, timeout)
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
-                             accelerator=stream_accelerator(device, accelerator), device=device)
+                             accelerator=stream_accelerator(device, host.accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
         self.stop_requested = False  # set by SIGTERM; sent to every rank with the next round
-        self.options = ScheduleOptions.from_config(config, gradient_accumulation_steps, clip_grad)
+        self.options = ScheduleOptions.from_config(config, host.gradient_accumulation_steps, host.clip_grad)
         self.schedule = AccoSchedule(
             groups, self.shard_optimizer, self.lane, process_group=self.process_group, rank=rank, world=len(ranks),
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(self.process_group),
             norm_group=self.norm_group,
-            loss_scale=loss_scale, report=self._report, on_commit=self._on_commit,
+            loss_scale=host.loss_scale, report=self._report, on_commit=self._on_commit,
             before_launch=self.lr.step_owed, after_launch=self.lr.launched)
         self._boundary: Optional[bool] = None
         self._abandoned = False
@@ -169,7 +135,7 @@ class AccoDriver:
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
         if dist.get_rank() == 0:
-            (announce or self.log)(self.banner(framework))
+            host.announce(self.banner(host.framework))
 
     def banner(self, framework: str = "") -> str:
         """One line: ACCO is on, its mode, phase length and buffer size."""
@@ -251,23 +217,20 @@ class AccoDriver:
         return self.shard_optimizer.optimizer.param_groups[0]["lr"]
 
     def _on_commit(self, result: RoundResult) -> None:
-        scale = None
-        if self.update_loss_scale is not None:
-            scale = self.update_loss_scale(result.skipped)  # once per optimizer step, as DeepSpeed does
+        scale = self.host.update_loss_scale(result.skipped)  # once per optimizer step, as DeepSpeed does
         self.lr.collected(result.skipped)
         record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history,
                                         result.lr if result.lr is not None else self.get_lr(), loss_scale=scale)
         if result.skipped:
             self.host.skipped_steps += 1
-        if self.after_commit is not None:
-            self.after_commit(result, record)
+        self.host.after_commit(result, record)
         self.host.global_steps += 1
         cfg = self.config.metrics
         if dist.get_rank() != 0:
             return
-        if cfg.monitor and self.monitor is not None and self.monitor.enabled:
-            samples = getattr(self.host, "global_samples", self.host.global_steps)
-            self.monitor.write_events([(f"ACCO/{k}", v, samples) for k, v in scalar_items(record)])
+        monitor = self.host.monitor
+        if cfg.monitor and monitor is not None and monitor.enabled:
+            monitor.write_events([(f"ACCO/{k}", v, self.host.global_samples) for k, v in scalar_items(record)])
         if cfg.log_every and record["step"] % cfg.log_every == 0:
             self.log(format_line(record))
 

@@ -111,7 +111,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         norm_group: tensor parallelism: a dedicated model-parallel group the norm is also summed over.
         options: see :class:`ScheduleOptions`.
         reduce_scatter: reduce with a reduce-scatter (NCCL) rather than all-reduce + slice (gloo).
-        loss_scale: returns the loss scale backward passes use now (fp16; None: 1). G always
+        loss_scale: returns the loss scale backward passes use now (fp16; None, or it returns None: 1). G always
             carries the current scale: when it changes (the caller updates its scaler in
             ``on_commit``), G is rescaled by the ratio, so a round never mixes scales; each round
             divides by the scale G carried when it was packed.
@@ -315,7 +315,8 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         return PhaseKind.SYNC if committed_steps < self.options.sync_warmup_steps else PhaseKind.BOOTSTRAP
 
     def _current_loss_scale(self) -> float:
-        scale = 1.0 if self.loss_scale is None else float(self.loss_scale())
+        scale = None if self.loss_scale is None else self.loss_scale()
+        scale = 1.0 if scale is None else float(scale)
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"loss scale {scale!r}: must be a finite number > 0")
         return scale

@@ -68,7 +68,6 @@ class AccoEngine(DeepSpeedEngine):
             raise refuse("not_zero1_optimizer", f"acco.enabled = true but DeepSpeed built "
                                                 f"{type(self.optimizer).__name__}")
         driver = self.optimizer.driver
-        driver.monitor = self.monitor
         driver.install_sigterm(save=self.save_checkpoint)
         self._acco_exports = ExportHooks(self.module, driver.schedule)
         explicit = self._config._param_dict.get("zero_optimization", {})

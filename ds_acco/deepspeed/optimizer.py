@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.utils import logger
 
 from ..config import AccoConfig
 from ..core.buffers import FlatBuffers
 from ..core.driver import AccoDriver
 from ..core.refusals import check_estimate_dtype
+from .host import DeepSpeedHost
 from . import functional  # noqa: F401 -- registers DeepSpeed's Adams' functional estimates with the core
 
 ACCO_STATE_KEY = "acco_state"
@@ -125,16 +125,10 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         for i, g in enumerate(groups):
             g.on_grads_moved = _follow_grads(weakref.ref(self), i)
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
-        self.driver = AccoDriver(
-            acco_config, groups=groups, optimizer=self.optimizer, process_group=self.dp_process_group,
-            gradient_accumulation_steps=gradient_accumulation_steps, clip_grad=self.clip_grad,
-            device=groups[0].live.device, host=engine, step_lr_scheduler=engine._acco_step_lr_scheduler,
-            lr_scheduler=lambda: engine.lr_scheduler,
-            loss_scale=lambda: self.loss_scale, update_loss_scale=self._acco_update_loss_scale,
-            after_commit=self._after_commit, log=logger.info, framework="DeepSpeed ZeRO-1",
-            announce=logger.warning,  # DeepSpeed's logger shows WARNING and above by default
-            accelerator=_stream_accelerator(groups[0].live.device),
-            model_parallel_group=self.model_parallel_group if model_parallel else None)
+        device = groups[0].live.device
+        self.driver = AccoDriver(acco_config, DeepSpeedHost(
+            engine, self, groups, gradient_accumulation_steps, accelerator=_stream_accelerator(device),
+            model_parallel_group=self.model_parallel_group if model_parallel else None))
 
     @property
     def schedule(self):

@@ -24,7 +24,6 @@ reduction. FSDP's sharded DTensor parameters are the shards the user's optimizer
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, List, Optional
 
 import torch
@@ -39,8 +38,8 @@ from ..core.schedule import AccoSchedule
 from ..weights import ExportHooks
 from . import _torch_internals as fsdp_internals
 from .buffers import FSDPBuffers, FSDPShardedBuffers
+from .host import FSDPHost
 
-logger = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _RESET_REFUSED = (
     "FSDP is about to reset its sharded parameters (model.to(), .float() or model.load_state_dict() was called while "
@@ -119,15 +118,7 @@ class AccoFSDP:
                                  "over the data-parallel mesh)")
         self.sharded_params = sharded_params
         self.buffers = self._take_over_fsdp(model, acco)
-        scaler = self.loss_scaler
-        self.driver = AccoDriver(
-            acco, groups=[self.buffers], optimizer=optimizer, process_group=self._mesh_group,
-            gradient_accumulation_steps=gas, clip_grad=float(clip), device=self.buffers.grads.device, host=self,
-            step_lr_scheduler=None if lr_scheduler is None else lr_scheduler.step,
-            lr_scheduler=lambda: self.lr_scheduler,
-            loss_scale=None if scaler is None else (lambda: scaler.cur_scale),
-            update_loss_scale=None if scaler is None else self._update_loss_scale, log=logger.info,
-            framework="FSDP2")
+        self.driver = AccoDriver(acco, FSDPHost(self, self._mesh_group, gas, float(clip)))
         if sharded_params and not self.driver.shard_optimizer.functional:
             self.close()
             raise refuse("fsdp_sharded_params_optimizer", f"AccoFSDP(sharded_params=True) with "
@@ -199,11 +190,6 @@ class AccoFSDP:
             buffers.reshard = lambda: [m.reshard() for m in modules]
             self._remove_guard = fsdp_internals.guard_reset(params, _RESET_REFUSED)
         return buffers
-
-    def _update_loss_scale(self, skipped: bool) -> float:
-        if self.loss_scaler.dynamic:
-            self.loss_scaler.update_scale(skipped)  # DeepSpeed's rule, once per optimizer step
-        return float(self.loss_scaler.cur_scale)
 
     # -- the training loop ------------------------------------------------------------------------
     @property
