@@ -34,8 +34,8 @@ from ..comm import collectives
 from ..comm.groups import destroyable, new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
-from ..metrics import StepMetrics, format_line, scalar_items
 from .host import Host
+from .metrics import StepMetrics, format_line, scalar_items
 from .phases import FixedPhases, SharedPhases
 from .refusals import check_estimate_variant, one_queue_serialisation
 from .report import RoundReport

@@ -16,7 +16,6 @@ tensors, so a round's kernel count follows size / chunk, not the number of param
 """
 from __future__ import annotations
 
-import enum
 import math
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from torch.profiler import record_function
 
 from ..comm import collectives
 from . import chunking
-from .phases import Tally
+from .phases import RoundKind, Tally
 from .report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 from .shard_optimizer import global_norm_sq
 
@@ -40,11 +39,6 @@ if TYPE_CHECKING:
 
 class NonFiniteGradientError(FloatingPointError):
     """A round's global mean gradient had an inf or NaN and ``nonfinite`` is 'raise'."""
-
-
-class RoundKind(str, enum.Enum):
-    ESTIMATE = "estimate"
-    COMMIT = "commit"
 
 
 class DrainMismatchError(Exception):
