@@ -67,7 +67,7 @@ class Host(Protocol):
 
     def step_lr_scheduler(self) -> Optional[Callable[[], Any]]:
         """Step the LR scheduler once for an applied commit, where stock steps it. A commit found
-        skipped later has that step undone (the driver's ``_LRBookkeeping``); returns the step's
+        skipped later has that step undone (:class:`~ds_acco.core.lr_bookkeeping.LRBookkeeping`); returns the step's
         inverse (a callable) for schedulers whose ``load_state_dict()`` does not restore, or None."""
 
     def after_commit(self, result: RoundResult, record: dict) -> None:
