@@ -19,8 +19,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
-from ..config import (AccoConfig, acco_config_of, load_ds_config, marked_params, note_opt_out, opted_out,
-                      requested_layout, steps_with_increment)
+from ..config import AccoConfig, acco_config_of
+from ..config_deepspeed import load_ds_config, marked_params, requested_layout, steps_with_increment
+from ..config_routing import note_opt_out, opted_out
 from ..core import publish
 from ..core.refusals import ParallelLayout, check_deepspeed_compat, check_layout, refuse, under_caller_boundary
 from ..core.phases import FixedPhases

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from ..config import acco_config_of, load_ds_config
+from ..config import acco_config_of
+from ..config_deepspeed import load_ds_config
 from ..core.driver import AccoDriver, check_same_on_all_ranks
 from ..core.refusals import check_fsdp_model, check_lockstep, check_schedule_compat, refuse
 from ..core.rounds import RoundResult
