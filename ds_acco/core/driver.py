@@ -39,11 +39,12 @@ from .at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, destroy_grou
 from .host import Host
 from .lr_bookkeeping import LRBookkeeping
 from .metrics import StepMetrics, format_line, scalar_items
+from .options import ScheduleOptions
 from .phases import FixedPhases, SharedPhases
 from .refusals import check_estimate_variant, one_queue_serialisation
 from .report import RoundReport
 from .rounds import RoundResult
-from .schedule import AccoSchedule, ScheduleOptions
+from .schedule import AccoSchedule
 from .shard_optimizer import ShardOptimizer
 
 logger = logging.getLogger("ds_acco")
