@@ -174,3 +174,17 @@ def test_every_module_imports_alone():
                          cwd=ROOT, timeout=scaled(300))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-3000:]
+
+
+# The lab and the test double leave the library in issue 35's other half (benchmarks/, ds_acco/testing/).
+NOT_THE_LIBRARY = ("ds_acco.bench", "ds_acco.comm.recording", "ds_acco.testing")
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if not any(m == x or m.startswith(x + ".")
+                                                                     for x in NOT_THE_LIBRARY)))
+def test_each_library_file_is_one_concern_under_400_lines(name):
+    """One screen of concern: under 400 lines, and a docstring whose first line names it."""
+    text = MODULES[name].read_text()
+    docstring = ast.get_docstring(ast.parse(text))
+    assert docstring and docstring.splitlines()[0].strip(), f"{name}: no docstring naming its concern"
+    assert len(text.splitlines()) < 400, f"{name}: {len(text.splitlines())} lines"
