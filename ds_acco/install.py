@@ -61,7 +61,7 @@ from typing import Any, Callable, List, Tuple
 
 from . import _routing
 from ._routing import installed
-from .config import ACCO_KEY, UNEVEN_STEPS, acco_config_of, load_ds_config, note_opt_out, opted_out
+from .config import ACCO_KEY, acco_config_of, load_ds_config, note_opt_out, opted_out
 
 _LOCK = threading.RLock()
 _ROUTING = threading.local()  # .active: this thread is inside the router (nested calls -> original)
@@ -172,12 +172,9 @@ def _patch_frameworks() -> None:
             _patch(trainer, name, _logs_the_steps_own_grad_norm(getattr(trainer, name)))
 
 
-def _under_accelerate_refusal(accumulation: str) -> str:
-    return (f"acco.accumulation = {accumulation!r} under Accelerate / HF Trainer: the Trainer counts one optimizer "
-            "step per gradient_accumulation_steps micro-batches on every rank (max_steps, save_steps, its LR "
-            f"schedule, checkpoint names) while {UNEVEN_STEPS[accumulation]}; fix: use \"accumulation\": "
-            "\"fixed\" with HF Trainer, or drive the engine yourself (engine.backward + engine.step per "
-            "micro-batch, loop on engine.global_steps)")
+def _under_accelerate_refusal(accumulation: str) -> ValueError:
+    from .core.refusals import under_accelerate  # here: importing ds_acco must not import the core
+    return under_accelerate(accumulation)
 
 
 def _refuse_dynamic_under_accelerate(arguments: dict) -> None:
@@ -187,7 +184,7 @@ def _refuse_dynamic_under_accelerate(arguments: dict) -> None:
     raw = load_ds_config(a.get("config") if a.get("config") is not None else a.get("config_params"), a.get("args"))
     accumulation = acco_config_of(raw).accumulation
     if accumulation != "fixed":
-        raise ValueError(_under_accelerate_refusal(accumulation))
+        raise _under_accelerate_refusal(accumulation)
 
 
 def _accelerate_backward(original: Callable) -> Callable:
@@ -198,7 +195,7 @@ def _accelerate_backward(original: Callable) -> Callable:
             return original(self, loss, sync_gradients=sync_gradients, **kwargs)
         config = getattr(engine, "_acco_config", None)
         if config is not None and config.accumulation != "fixed":
-            raise ValueError(_under_accelerate_refusal(config.accumulation))
+            raise _under_accelerate_refusal(config.accumulation)
         # ACCO decides its own phase ends from the micro-batches counted in engine.step();
         # Accelerate's sync_gradients (one optimizer step = A micro-batches) is not needed.
         if kwargs.pop("scale_wrt_gas", True) is False:

@@ -7,10 +7,11 @@ rank sends along with a round) and ``driver`` (the protocol every adapter speaks
 """
 from .buffers import BufferGroup, FlatBuffers
 from .driver import AccoDriver
+from .options import ScheduleOptions
 from .phases import DynamicPhases, FixedPhases, PhaseKind, SharedPhases, share_by_speed
 from .report import RoundReport
 from .rounds import NonFiniteGradientError, RoundKind, RoundResult
-from .schedule import AccoSchedule, ScheduleOptions
+from .schedule import AccoSchedule
 from .shard_optimizer import ShardOptimizer
 
 __all__ = ["AccoDriver", "AccoSchedule", "BufferGroup", "DynamicPhases", "FixedPhases", "FlatBuffers",

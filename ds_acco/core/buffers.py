@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .rounds import RoundKind
+from .phases import RoundKind
 
 _SWAP_CHUNK = 1 << 20
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .rounds import RoundKind
+from .phases import RoundKind
 from .schedule_state import _InFlight
 
 

@@ -7,11 +7,13 @@ buffer groups and its calls into this driver's; everything else is here, once:
   policy, the shard optimizer, metrics, and the start-up banner;
 * the micro-batch protocol: weights checked, the loss scale synced before each backward, the
   phase end decided once per micro-batch (and forecast before that), the phase ended;
-* commit bookkeeping, once per committed step: the loss scaler, the metrics record, the LR
-  scheduler, skipped / global steps, the log line and the monitor;
+* commit bookkeeping, once per committed step, on the adapter's host (:mod:`.host`): the loss
+  scaler, the metrics record, the LR scheduler (:mod:`.lr_bookkeeping`), skipped / global steps,
+  the log line and the monitor;
 * a SIGTERM that stops every rank at the same round (the request rides along with a round),
   chaining any handler installed before;
-* the rank-consistency check of the settings (:func:`check_same_on_all_ranks`).
+* the rank-consistency check of the settings (:func:`check_same_on_all_ranks`);
+* teardown: close, or let go from a finaliser (the process's exit finishes the rest: :mod:`.at_exit`).
 """
 from __future__ import annotations
 
@@ -21,27 +23,28 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import signal
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from ..comm.groups import destroyable, new_group_everywhere, new_rounds_group
+from ..comm.groups import new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
-from ..metrics import StepMetrics, format_line, scalar_items
-from .buffers import BufferGroup
+from .at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, destroy_group
+from .host import Host
+from .lr_bookkeeping import LRBookkeeping
+from .metrics import StepMetrics, format_line, scalar_items
+from .options import ScheduleOptions
 from .phases import FixedPhases, SharedPhases
+from .refusals import check_estimate_variant, one_queue_serialisation
 from .report import RoundReport
-from .rounds import RoundKind, RoundResult
-from .schedule import AccoSchedule, ScheduleOptions
-from .scheduler_undo import NotUndoable, SchedulerUndo, undoable
+from .rounds import RoundResult
+from .schedule import AccoSchedule
 from .shard_optimizer import ShardOptimizer
 
 logger = logging.getLogger("ds_acco")
@@ -60,48 +63,6 @@ def check_same_on_all_ranks(settings: dict, what: str, group=None) -> None:
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
         raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
-
-
-def one_hardware_queue(device: torch.device) -> bool:
-    """Whether ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's launch scripts export it) gives this
-    accelerator one hardware queue, shared by every stream."""
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
-    return device.type != "cpu" and value.isdigit() and int(value) == 1
-
-
-def one_queue_serialisation(device: torch.device, synchronous: bool) -> Optional[str]:
-    """Why the rounds must run synchronously here, or None (docs/collective_order.md).
-
-    With one hardware queue, a round's collectives (the lane's communicator, launched from the
-    lane's thread) and a collective the compute side launches on another communicator while the
-    round is in flight (a tensor-parallel all-reduce, FSDP's all-gather, a loss averaged for
-    logging) sit in one FIFO in an order that differs from rank to rank; each waits at the head of
-    the queue for a kernel queued behind the other on its peer: a deadlock across ranks. Run
-    synchronously, every rank launches the rounds' collectives from the compute thread in program
-    order. The caller makes the rounds synchronous and warns with this text."""
-    if synchronous or not one_hardware_queue(device):
-        return None
-    return ("ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's launch scripts export it) gives the device one "
-            "hardware queue: a round's collectives, launched from the communication thread, and any collective "
-            "the compute side launches on another process group meanwhile (tensor parallelism, FSDP's all-gathers, "
-            "a loss averaged for logging) would share it in an order that differs between ranks, which can "
-            "deadlock across ranks. The rounds therefore run synchronously (acco.synchronous = true): correct, "
-            "but nothing overlaps; fix: unset CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (Megatron-DeepSpeed needs "
-            "it only for --sequence-parallel)")
-
-
-def _check_estimate_variant(config, shard_optimizer: ShardOptimizer) -> None:
-    """The estimate variants that read Adam's second moment need an optimizer that has one and a
-    functional step (torch Adam / AdamW): refuse any other, naming the key and the fix."""
-    est = config.estimate
-    needs = [f"second_moment = {est.second_moment!r}"] if est.second_moment == "committed" else []
-    if est.delay_compensation:
-        needs.append(f"delay_compensation = {est.delay_compensation!r}")
-    if needs and not shard_optimizer.committed_second_moment:
-        raise ValueError(f"acco.estimate.{' and '.join(needs)} reads the committed second moment of torch Adam / "
-                         f"AdamW, which {type(shard_optimizer.optimizer).__name__} (with these settings) does not "
-                         "give; fix: use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true, no capturable "
-                         "or differentiable) or remove the key")
 
 
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
@@ -123,55 +84,21 @@ class AccoDriver:
 
     Args:
         config: the validated ``"acco"`` block.
-        groups: the adapter's buffer groups.
-        optimizer: the torch optimizer whose parameters are exactly the groups' shard parameters.
-        process_group: the data-parallel group (None: the default group).
-        model_parallel_group: tensor parallelism: the group of this rank's tensor-parallel peers
-            (None or size 1: none). The gradient norm, and so the skip and the clip, is then summed
-            over it too; buffer groups count replicated parameters on one of its ranks only
-            (``BufferGroup.norm_ranges``). Every rank of the world must build an engine.
-        gradient_accumulation_steps, clip_grad: the framework's settings.
-        device: where G and B live (the lane runs its rounds with this device current).
-        accelerator: the streams and events the lane uses on ``device`` (:mod:`ds_acco.comm.streams`):
-            DeepSpeed's accelerator from the DeepSpeed adapter; default torch's (None on CPU).
-        host: the adapter's object whose ``global_steps`` and ``skipped_steps`` count commits.
-        step_lr_scheduler: called once per applied (not skipped) commit, where stock steps its
-            scheduler: at the end of the micro-batch call (``step()``) that launched the commit, or
-            when the adapter says so (:meth:`step_lr_scheduler_owed`). A commit found skipped
-            later has that step undone (see :class:`_LRBookkeeping`); it may return the step's
-            inverse (a callable), used for schedulers whose ``load_state_dict()`` does not restore.
-        lr_scheduler: returns the scheduler object ``step_lr_scheduler`` steps (for the undo), or None.
-        loss_scale: the fp16 loss scale backward passes use now (None: no loss scaling).
-        update_loss_scale: called with ``skipped`` once per committed step (dynamic loss scaling
-            updates its scaler there); returns the loss scale to report, or None without fp16.
-        after_commit: the adapter's own per-commit bookkeeping, ``(result, record)``.
-        framework: named in the banner and in errors.
-        announce: where rank 0's start-up banner goes (default: ``log``); it must be visible by
-            default, e.g. DeepSpeed's logger at WARNING (DeepSpeed 0.19 hides INFO).
+        host: what the adapter built and its side of a commit (:class:`~ds_acco.core.host.Host`).
+            Under tensor parallelism every rank of the world must build one.
     """
 
-    def __init__(self, config, *, groups: Sequence[BufferGroup], optimizer: torch.optim.Optimizer, process_group,
-                 gradient_accumulation_steps: int, clip_grad: float, device: torch.device, host: Any,
-                 model_parallel_group=None,
-                 step_lr_scheduler: Optional[Callable[[], Any]] = None,
-                 lr_scheduler: Optional[Callable[[], Any]] = None,
-                 loss_scale: Optional[Callable[[], float]] = None,
-                 update_loss_scale: Optional[Callable[[bool], Optional[float]]] = None,
-                 after_commit: Optional[Callable[[RoundResult, dict], None]] = None,
-                 monitor: Any = None, log: Optional[Callable[[str], None]] = None, framework: str = "",
-                 announce: Optional[Callable[[str], None]] = None, accelerator: Any = None):
+    def __init__(self, config, host: Host):
         self.config = config
-        self.log = log or logger.info
         self.host = host
-        self.lr = _LRBookkeeping(step_lr_scheduler, lr_scheduler or (lambda: None), lambda: optimizer)
-        self.update_loss_scale = update_loss_scale
-        self.after_commit = after_commit
-        self.monitor = monitor
-        self.loss_scale = loss_scale
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.log = host.log
+        optimizer, groups, device = host.optimizer, host.groups, host.device
+        self.lr = LRBookkeeping(host.step_lr_scheduler, host.lr_scheduler, lambda: optimizer)
+        self.gradient_accumulation_steps = host.gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
-        _check_estimate_variant(config, self.shard_optimizer)
+        check_estimate_variant(config.estimate, self.shard_optimizer)
+        process_group, model_parallel_group = host.process_group, host.model_parallel_group
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
         rank = dist.get_rank(group=process_group)
@@ -191,15 +118,15 @@ class AccoDriver:
         else:
             self.process_group = new_rounds_group(ranks, timeout)
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
-                             accelerator=stream_accelerator(device, accelerator), device=device)
+                             accelerator=stream_accelerator(device, host.accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
         self.stop_requested = False  # set by SIGTERM; sent to every rank with the next round
-        self.options = ScheduleOptions.from_config(config, gradient_accumulation_steps, clip_grad)
+        self.options = ScheduleOptions.from_config(config, host.gradient_accumulation_steps, host.clip_grad)
         self.schedule = AccoSchedule(
             groups, self.shard_optimizer, self.lane, process_group=self.process_group, rank=rank, world=len(ranks),
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(self.process_group),
             norm_group=self.norm_group,
-            loss_scale=loss_scale, report=self._report, on_commit=self._on_commit,
+            loss_scale=host.loss_scale, report=self._report, on_commit=self._on_commit,
             before_launch=self.lr.step_owed, after_launch=self.lr.launched)
         self._boundary: Optional[bool] = None
         self._abandoned = False
@@ -207,11 +134,11 @@ class AccoDriver:
         self._stop_save: Optional[Callable[[str], None]] = None
         self._stop_dir: Optional[str] = None
         # A script that ends (returns, raises, Ctrl-C) without destroy(), as most DeepSpeed scripts
-        # do: finish the round in flight before the interpreter tears down (see _close_at_exit).
-        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        # do: finish the round in flight before the interpreter tears down (see at_exit.close_at_exit).
+        self._at_exit = functools.partial(close_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
         if dist.get_rank() == 0:
-            (announce or self.log)(self.banner(framework))
+            host.announce(self.banner(host.framework))
 
     def banner(self, framework: str = "") -> str:
         """One line: ACCO is on, its mode, phase length and buffer size."""
@@ -293,23 +220,20 @@ class AccoDriver:
         return self.shard_optimizer.optimizer.param_groups[0]["lr"]
 
     def _on_commit(self, result: RoundResult) -> None:
-        scale = None
-        if self.update_loss_scale is not None:
-            scale = self.update_loss_scale(result.skipped)  # once per optimizer step, as DeepSpeed does
+        scale = self.host.update_loss_scale(result.skipped)  # once per optimizer step, as DeepSpeed does
         self.lr.collected(result.skipped)
         record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history,
                                         result.lr if result.lr is not None else self.get_lr(), loss_scale=scale)
         if result.skipped:
             self.host.skipped_steps += 1
-        if self.after_commit is not None:
-            self.after_commit(result, record)
+        self.host.after_commit(result, record)
         self.host.global_steps += 1
         cfg = self.config.metrics
         if dist.get_rank() != 0:
             return
-        if cfg.monitor and self.monitor is not None and self.monitor.enabled:
-            samples = getattr(self.host, "global_samples", self.host.global_steps)
-            self.monitor.write_events([(f"ACCO/{k}", v, samples) for k, v in scalar_items(record)])
+        monitor = self.host.monitor
+        if cfg.monitor and monitor is not None and monitor.enabled:
+            monitor.write_events([(f"ACCO/{k}", v, self.host.global_samples) for k, v in scalar_items(record)])
         if cfg.log_every and record["step"] % cfg.log_every == 0:
             self.log(format_line(record))
 
@@ -390,15 +314,15 @@ class AccoDriver:
 
         Fixed phases: :meth:`abandon` -- every rank queued the same rounds, so the lane finishes
         them on its own and releases its group; a lane still running at interpreter exit is waited
-        for then (:func:`_join_abandoned_lanes`). Phases that end on each rank's own timing
+        for then (:func:`.at_exit.join_abandoned_lanes`). Phases that end on each rank's own timing
         (dynamic, shared): a rank may hold a round no peer will launch, and only the drain protocol
         (collective) can settle it, which a finaliser must not run. So this driver is kept until
-        the interpreter exits, when :func:`_close_at_exit` drains it as every rank does (its
+        the interpreter exits, when :func:`.at_exit.close_at_exit` drains it as every rank does (its
         memory is held until then). Either way no wait and no collective here."""
         if self._abandoned:
             return
         if self.schedule.agrees_drains and not self.schedule.closed:
-            _KEPT_FOR_EXIT.append(self)
+            KEPT_FOR_EXIT.append(self)
             return
         self.abandon()
 
@@ -427,8 +351,8 @@ class AccoDriver:
         except (ValueError, RuntimeError):  # the group is gone already (the default group was replaced)
             pass
         finally:
-            self.lane.stop_nowait(then=(lambda: _destroy_group(pg, ng)) if local else None)
-            _ABANDONED_LANES.add(self.lane)
+            self.lane.stop_nowait(then=(lambda: destroy_group(pg, ng)) if local else None)
+            ABANDONED_LANES.add(self.lane)
 
     def _release_process_group(self) -> None:
         """Give the rounds' process group back (local: no collective, so it is safe from a
@@ -438,222 +362,4 @@ class AccoDriver:
         ng, self.norm_group = self.norm_group, None
         if pg is None or not dist.is_initialized() or self.lane.stuck:
             return
-        _destroy_group(pg, ng)
-
-
-class _LRBookkeeping:
-    """When the LR scheduler steps, relative to the commits (ACCO.md: both rounds of step t use
-    step t's learning rate; the scheduler advances once per applied commit).
-
-    Every round captures the optimizer's settings when it is launched (``ShardOptimizer.settings``),
-    so the scheduler may step as soon as the commit of step t is launched -- where stock steps it,
-    after its optimizer step -- and the estimate of step t+1, launched later, reads step t+1's
-    rate. Stepping at the collection instead (a phase later) would leave the learning rate that a
-    caller reads after ``step()`` one step behind stock's. Whether the commit is applied is known
-    only at its collection, and stock never steps the scheduler for a skipped optimizer step
-    (non-finite gradient, fp16 overflow): a skipped commit has its scheduler step cancelled if
-    still owed, else undone through the scheduler's protocol (:class:`.scheduler_undo.SchedulerUndo`).
-    A step that the caller takes itself for the commit in flight (:meth:`caller_step`: Accelerate's
-    scheduler, the HF Trainer's) is undone the same way.
-
-    A scheduler that cannot be undone -- no ``state_dict()`` / ``load_state_dict()``, a state that
-    cannot be copied, or a load that does not restore a live scheduler and no inverse step -- is
-    stepped only once its commit is known applied, at the commit's collection, before the next round
-    is launched: every round still uses stock's settings, but the learning rate read right after
-    ``step()`` lags one phase (one warning says so)."""
-
-    def __init__(self, step: Optional[Callable[[], Any]], scheduler: Callable[[], Any],
-                 optimizer: Callable[[], torch.optim.Optimizer]):
-        self._step, self._scheduler, self._optimizer = step, scheduler, optimizer
-        self._owed = False  # a launched commit's scheduler step not yet taken
-        self._commit_in_flight = False  # a commit launched and not yet collected
-        self._undos: List[SchedulerUndo] = []  # the scheduler steps taken for the commit in flight, in order
-        # The commit launched last was collected skipped before the caller stepped its scheduler for it
-        # (the synchronous warm-up collects it inside the step() that launched it): that step is not taken.
-        self._collected_skipped = False
-        self._deferred = False  # our scheduler has no undo: stepped at the collection of an applied commit
-        self._no_undo: dict = {}  # id(scheduler) -> why it cannot be undone, once found out
-        self._warned: set = set()
-
-    def launched(self, kind: RoundKind) -> None:
-        if kind is not RoundKind.COMMIT:
-            return
-        # The optimizer step of this step is taken (by the round, which may never call
-        # optimizer.step(): the functional commit). torch's schedulers warn "lr_scheduler.step()
-        # before optimizer.step()" at their first step unless the wrapper they put on
-        # optimizer.step recorded a call, so record it here as that wrapper does; a scheduler
-        # stepped before the first commit is launched still warns, as in stock.
-        self._optimizer()._opt_called = True
-        self._commit_in_flight, self._undos, self._collected_skipped = True, [], False
-        scheduler = self._scheduler() if self._step is not None else None
-        if scheduler is None:
-            return
-        self._owed, self._deferred = True, False
-        why = undoable(scheduler) or self._no_undo.get(id(scheduler))
-        if why is not None:
-            self._defer(scheduler, why)
-
-    def step_owed(self) -> None:
-        """Take the scheduler step owed for the commit launched last (unless it waits for the
-        commit's collection, see the class docstring)."""
-        if not self._owed or self._deferred:
-            return
-        self._owed = False
-        scheduler = self._scheduler()
-        try:
-            self._undos.append(SchedulerUndo.around(scheduler, self._optimizer(), self._step))
-        except NotUndoable as exc:  # raised before the step: take it at the collection instead
-            self._owed = True
-            self._no_undo[id(scheduler)] = str(exc)
-            self._defer(scheduler, str(exc))
-
-    def caller_step(self, scheduler, step: Callable[[], None]) -> None:
-        """``step()`` steps ``scheduler``, which the caller steps itself once per optimizer step
-        right after the ``step()`` that launched a commit (stock skips it for a skipped step): taken
-        now, and undone if the commit in flight turns out skipped. With no commit in flight it is
-        only taken; with the commit already collected skipped, not taken (stock skips it)."""
-        if self._collected_skipped:
-            return
-        why = undoable(scheduler) or self._no_undo.get(id(scheduler))
-        if not self._commit_in_flight or why is not None:
-            if why is not None:
-                self._warn_caller_scheduler(scheduler, why)
-            step()
-            return
-        try:
-            self._undos.append(SchedulerUndo.around(scheduler, self._optimizer(), step))
-        except NotUndoable as exc:
-            self._no_undo[id(scheduler)] = str(exc)
-            self._warn_caller_scheduler(scheduler, str(exc))
-            step()
-
-    def collected(self, skipped: bool) -> None:
-        """The commit launched last was collected: ``skipped`` or applied."""
-        undos, self._undos, self._commit_in_flight = self._undos, [], False
-        self._collected_skipped = skipped
-        if skipped:
-            self._owed = False  # a step still owed is never taken
-            optimizer = self._optimizer()
-            for undo in reversed(undos):
-                try:
-                    undo.revert(optimizer)
-                except NotUndoable as exc:  # nothing was changed: this step stays
-                    self._no_undo[id(undo.scheduler)] = str(exc)
-                    if undo.scheduler is self._scheduler():
-                        self._warn_once(undo.scheduler, f"ACCO: a skipped commit's step of the LR scheduler "
-                                                        f"{type(undo.scheduler).__name__} cannot be undone ({exc}): "
-                                                        "the schedule runs one step ahead of stock's from here; ACCO "
-                                                        "steps it only once a commit is known applied from now on; "
-                                                        "fix: a load_state_dict() that restores a live scheduler")
-                    else:
-                        self._warn_caller_scheduler(undo.scheduler, str(exc))
-        elif self._owed and self._deferred:
-            self._owed = False
-            self._step()
-
-    def _defer(self, scheduler, why: str) -> None:
-        self._deferred = True
-        self._warn_once(scheduler, f"ACCO: the LR scheduler {type(scheduler).__name__} cannot be undone ({why}), so "
-                                   "ACCO steps it only once a commit is known applied, at the commit's collection "
-                                   "(a phase after stock steps it): every round uses stock's learning rate, but the "
-                                   "rate read right after step() lags one step behind stock's; fix: give the "
-                                   "scheduler state_dict() and a load_state_dict() that restores it")
-
-    def _warn_caller_scheduler(self, scheduler, why: str) -> None:
-        self._warn_once(scheduler, f"ACCO: the LR scheduler {type(scheduler).__name__} that the caller steps cannot "
-                                   f"be undone ({why}): after each skipped commit (non-finite gradient, fp16 "
-                                   "overflow) its schedule runs one step ahead of stock's; fix: give it state_dict() "
-                                   "and a load_state_dict() that restores it")
-
-    def _warn_once(self, scheduler, message: str) -> None:
-        if id(scheduler) in self._warned:
-            return
-        self._warned.add(id(scheduler))
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.warning(message)
-
-
-def _close_at_exit(ref: "weakref.ref[AccoDriver]") -> None:
-    """At interpreter exit, an engine nobody destroyed: its last round is finished on every rank.
-
-    Without this, a round still in flight on the lane's (daemon) thread is inside a gloo/NCCL
-    collective while the interpreter finalises, and the C++ runtime aborts the process
-    (``terminate called without an active exception``, SIGABRT): a script that ended normally
-    reported failure, and a real error's exit status was lost. Every rank runs this at its exit,
-    as the same script ends the same way on every rank: fixed mode waits for the round in flight
-    (every rank launched it: same micro-batch counts), dynamic mode runs its drain protocol
-    (``schedule.py``: the j-th drain of every rank finishes the same rounds). Nothing is saved or
-    written: the finished commit only updates this process's memory. Bounded by
-    ``comm_timeout_s``; a peer already gone fails the collective at once (its sockets close),
-    and then the round is dropped here with one line on stderr. Registered per driver with a weak
-    reference, unregistered by ``close()`` / ``abandon()``; runs before torch's own teardown
-    (atexit handlers run in reverse order of registration)."""
-    import sys
-    driver = ref()
-    if driver is None or driver.abandoned:
-        return
-    try:
-        driver.close()
-    except BaseException as exc:  # noqa: BLE001 -- at exit: never replace the program's own outcome
-        print(f"ds_acco: at exit, the communication round in flight could not be finished ({type(exc).__name__}: "
-              f"{exc}); it is dropped", file=sys.stderr, flush=True)
-        driver.abandon()
-    finally:
-        if getattr(sys, "last_type", None) is KeyboardInterrupt:
-            _rearm_sigint_exit()
-
-
-# Drivers whose host was collected while their phases may disagree across ranks: drained at exit
-# (AccoDriver.finalised). Lanes let go by abandon() that may still run a round: waited for at exit.
-_KEPT_FOR_EXIT: list = []
-_ABANDONED_LANES: "weakref.WeakSet[CommLane]" = weakref.WeakSet()
-
-
-def _join_abandoned_lanes() -> None:
-    """At interpreter exit, after every driver's own hook: wait for the lanes :meth:`AccoDriver.abandon`
-    let go to finish the rounds they still run (each bounded by its ``comm_timeout_s``).
-
-    A lane thread still inside a gloo/NCCL collective while the interpreter finalises aborts the
-    process (``terminate called without an active exception``): an engine collected by the
-    garbage collector just before a script ended -- a function returned, an allocation triggered
-    a collection -- did that now and then (2 of 88 runs). Its peers launched the same rounds, so
-    the wait ends when the slowest of them gets there, or at once when a peer's exit fails the
-    collective."""
-    import sys
-    for lane in list(_ABANDONED_LANES):
-        if lane.timed_out is not None:
-            continue  # broken: its round already ran out of comm_timeout_s and was reported then
-        if not lane.join_stopping(lane.timeout_s):
-            print(f"ds_acco: at exit, a round of an engine collected without destroy() did not finish within "
-                  f"acco.comm_timeout_s = {lane.timeout_s:g} s; exiting without it", file=sys.stderr, flush=True)
-
-
-atexit.register(_join_abandoned_lanes)  # at import: it runs after every driver's own hook
-
-
-def _rearm_sigint_exit() -> None:
-    """Keep Ctrl-C's exit status (killed by SIGINT, as stock) after the drain above.
-
-    CPython ends a program whose KeyboardInterrupt went unhandled by killing itself with SIGINT,
-    but only while a flag it set at that moment is still set, and every ``exec`` / ``eval`` of a
-    *string* clears it (``run_eval_code_obj``) -- e.g. a dataclass or namedtuple that torch builds
-    lazily while the drain runs the FSDP2 round: the process then exited 1 instead of -2. The
-    flag is set again the only way Python code can: by evaluating a string that raises
-    KeyboardInterrupt."""
-    try:
-        exec("raise KeyboardInterrupt")  # noqa: S102 -- a constant string, for the flag it sets
-    except KeyboardInterrupt:
-        pass
-
-
-def _destroy_group(*pgs) -> None:
-    """Local, no collective. Safe beside the main thread building the next engine's group:
-    torch's registry of groups is plain dicts, changed key by key under the GIL. Not beside a
-    concurrent ``destroy_process_group()`` of the whole world: destroy() engines before that."""
-    for pg in pgs:
-        if pg is None or not dist.is_initialized() or not destroyable(pg):
-            continue
-        try:
-            dist.destroy_process_group(pg)
-        except Exception:  # already gone (the default group was destroyed first): nothing to free
-            pass
+        destroy_group(pg, ng)

@@ -22,6 +22,12 @@ class PhaseKind(str, enum.Enum):
     COMMIT = "commit"  # a commit round is in flight; the model is at θ̃_{t+1} (acco) or θ_{k-1} (dpu)
 
 
+class RoundKind(str, enum.Enum):
+    """The round a phase end launches: the estimate (first half of a step, discarded) or the commit."""
+    ESTIMATE = "estimate"
+    COMMIT = "commit"
+
+
 @dataclass
 class Tally:
     """Micro-batches and their weight (1 each, or samples / tokens) summed into a buffer."""

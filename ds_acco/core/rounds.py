@@ -16,7 +16,6 @@ tensors, so a round's kernel count follows size / chunk, not the number of param
 """
 from __future__ import annotations
 
-import enum
 import math
 import time
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..comm import collectives
-from . import chunking
-from .phases import Tally
+from .drift import drift_and_cosine, drift_sums
+from .phases import RoundKind, Tally
 from .report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 from .shard_optimizer import global_norm_sq
 
@@ -40,11 +39,6 @@ if TYPE_CHECKING:
 
 class NonFiniteGradientError(FloatingPointError):
     """A round's global mean gradient had an inf or NaN and ``nonfinite`` is 'raise'."""
-
-
-class RoundKind(str, enum.Enum):
-    ESTIMATE = "estimate"
-    COMMIT = "commit"
 
 
 class DrainMismatchError(Exception):
@@ -340,7 +334,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     before = None if sync else _keep_shards_for_drift(ctx)
                     ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
-                        ctx.pending_drift = _drift_sums(ctx, before)
+                        ctx.pending_drift = drift_sums(ctx.groups, before, ctx.chunk_elems, ctx.process_group)
                     write_shards(ctx, kind)
                 else:
                     outs = [v for g in ctx.groups for v in g.param_outputs(kind)]
@@ -376,43 +370,3 @@ def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
     kept = [v for g in ctx.groups for v in g.shard_views(g.reduce_view(RoundKind.COMMIT), rank=other)]
     _copy_shards(ctx, kept)
     return kept
-
-
-def drift_and_cosine(miss_sq: float, commit_sq: float, estimate_sq: float) -> tuple:
-    """From ‖θ̃ − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖², ‖θ̃ − θ_t‖²: the drift ‖θ̃ − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖
-    and the cosine between the estimate's update θ̃ − θ_t and the commit's θ_{t+1} − θ_t (law of
-    cosines: the three vectors form a triangle). NaN where an update is zero."""
-    nan = float("nan")
-    drift = math.sqrt(miss_sq) / math.sqrt(commit_sq) if commit_sq > 0 else nan
-    denom = 2 * math.sqrt(commit_sq) * math.sqrt(estimate_sq)
-    cos = (commit_sq + estimate_sq - miss_sq) / denom if denom > 0 else nan
-    return drift, cos
-
-
-def _drift_sums(ctx: RoundContext, before: List[torch.Tensor]) -> torch.Tensor:
-    """(‖θ̃_{t+1} − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖², ‖θ̃_{t+1} − θ_t‖²) over all ranks, on the device (the
-    next round reads them; :func:`drift_and_cosine`). θ̃_{t+1} is what the compute lane runs on
-    during the commit phase: the live weights (their shard is read here, not copied). Summed in fp64
-    window by window (:func:`.chunking.windows`) through two reused chunk-sized buffers."""
-    after = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
-    estimate = [v for g in ctx.groups for v in g.live_shard_views()]
-    device = before[0].device
-    numels = [t.numel() for t in after]
-    size = min(ctx.chunk_elems, sum(numels))
-    a = torch.empty(size, dtype=torch.float64, device=device)
-    b = torch.empty(size, dtype=torch.float64, device=device)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for window in chunking.windows(numels, ctx.chunk_elems):
-        n = chunking.window_size(window)
-        x, y = a.narrow(0, 0, n), b.narrow(0, 0, n)
-        torch._foreach_copy_(chunking.slots_in(a, window), chunking.pieces_of(after, window))
-        for k, other in enumerate((estimate, before)):
-            torch._foreach_copy_(chunking.slots_in(b, window), chunking.pieces_of(other, window))
-            y.sub_(x)
-            sums[k] += torch.dot(y, y)
-        # θ̃ − θ_t: a ← θ̃ (this window of the live shard), then minus θ_t
-        torch._foreach_copy_(chunking.slots_in(a, window), chunking.pieces_of(estimate, window))
-        torch._foreach_copy_(chunking.slots_in(b, window), chunking.pieces_of(before, window))
-        x.sub_(y)
-        sums[2] += torch.dot(x, x)
-    return collectives.sum_scalars(sums, ctx.process_group)

@@ -13,7 +13,7 @@ per-parameter state and the param-group settings bit for bit as they were, in on
   8 for Adam, 4 for SGD with momentum).
 
 The commit of torch SGD/Adam/AdamW (fused or not) is functional too (in place, bit-identical to
-``optimizer.step()``: :func:`.functional_step.commit_in_place`); other optimizers take their step.
+``optimizer.step()``: :func:`.functional_commit.commit_in_place`); other optimizers take their step.
 
 A round uses the settings captured at its launch, while a scheduler on the compute thread may
 write the param groups as it runs. The functional steps only read those settings. A real step reads
@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 
 import torch
 
-from . import chunking, functional_step
+from . import chunking, functional_commit, functional_step
 
 _GROUP_PARAMS = "params"
 _MISSING = object()
@@ -95,7 +95,7 @@ class ShardOptimizer:
     def functional_commit(self) -> bool:
         """Whether :meth:`commit` updates θ and S in place chunk by chunk (torch SGD/Adam/AdamW
         without step hooks; checked per call) rather than through ``optimizer.step()``."""
-        return functional_step.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
+        return functional_commit.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
 
     @property
     def steps_on_round_groups(self) -> bool:
@@ -115,7 +115,7 @@ class ShardOptimizer:
                lr_scale: float = 1.0, settings: Optional[Sequence[dict]] = None) -> Optional[T]:
         """θ, S ← Opt(θ, S, g), kept; returns ``read()`` (called after the step) if given.
 
-        For torch SGD/Adam/AdamW (fused or not) the step is :func:`functional_step.commit_in_place`:
+        For torch SGD/Adam/AdamW (fused or not) the step is :func:`.functional_commit.commit_in_place`:
         bit-identical to ``optimizer.step()``, but with chunk-sized temporaries only (torch's
         non-fused Adam step allocates shard-sized ones, and the commit runs while the compute
         lane's activations are alive); any other optimizer (DeepSpeed's Adams included) takes its
@@ -130,7 +130,7 @@ class ShardOptimizer:
         if len(grads) != len(self.masters):
             raise ValueError(f"expected {len(self.masters)} gradients, got {len(grads)}")
         if self.functional_commit:
-            functional_step.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale, settings)
+            functional_commit.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale, settings)
         elif self.steps_on_round_groups:
             written = self._step(grads, functional_step.step_groups(self.optimizer, settings, lr_scale))
             for group, keys in zip(self.optimizer.param_groups, written):

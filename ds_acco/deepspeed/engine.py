@@ -7,25 +7,24 @@ substitute our subclasses at those two names for the duration of one call, under
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Any, Optional
 
 import deepspeed
 import deepspeed.runtime.engine as ds_engine_module
-from deepspeed import comm as ds_dist
 from deepspeed.runtime.constants import BFLOAT16
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
-from ..config import (AccoConfig, ParallelLayout, acco_config_of, caller_boundary_refusal, check_deepspeed_compat,
-                      check_layout, load_ds_config, marked_params, note_opt_out, opted_out, requested_layout,
-                      steps_with_increment)
-from ..core import publish
+from ..config import AccoConfig, acco_config_of
+from ..config_deepspeed import load_ds_config, requested_layout
+from ..config_routing import note_opt_out, opted_out
+from ..core.refusals import check_deepspeed_compat, check_layout, refuse, under_caller_boundary
 from ..core.phases import FixedPhases
-from ..core.driver import check_same_on_all_ranks
 from ..weights import ExportHooks
+from . import checkpoint
+from .layout import built_layout, check_ranks_agree
 from .optimizer import _REPLACED_KNOBS, AccoZeroOptimizer
 
 _PATCH_LOCK = threading.RLock()
@@ -65,11 +64,9 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_exports = None  # ExportHooks: every state_dict() of the model reads the committed θ
         super().__init__(*args, **kwargs)
         if not isinstance(self.optimizer, AccoZeroOptimizer):
-            raise ValueError(f"acco.enabled = true but DeepSpeed built {type(self.optimizer).__name__}, not a ZeRO "
-                             "stage 1 optimizer; fix: use \"zero_optimization\": {\"stage\": 1} with an optimizer "
-                             "(client or \"optimizer\" block), or disable acco")
+            raise refuse("not_zero1_optimizer", f"acco.enabled = true but DeepSpeed built "
+                                                f"{type(self.optimizer).__name__}")
         driver = self.optimizer.driver
-        driver.monitor = self.monitor
         driver.install_sigterm(save=self.save_checkpoint)
         self._acco_exports = ExportHooks(self.module, driver.schedule)
         explicit = self._config._param_dict.get("zero_optimization", {})
@@ -103,7 +100,7 @@ class AccoEngine(DeepSpeedEngine):
         super()._configure_distributed_model(model)
         # DeepSpeed's groups exist now, however they were built (a user mpu, AutoTP, tp_model_init, a
         # mesh): refuse what ACCO does not support from what was built, before the ZeRO optimizer.
-        check_layout(self._acco_config, _built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler))
+        check_layout(self._acco_config, built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler))
 
     def _configure_zero_optimizer(self, optimizer):
         cfg = self._acco_config
@@ -144,7 +141,7 @@ class AccoEngine(DeepSpeedEngine):
         if self._acco_driver() is None:
             return super().set_gradient_accumulation_boundary(is_boundary)
         if self._acco_config.accumulation != "fixed":
-            raise ValueError(_caller_boundary_refusal(self._acco_config.accumulation))
+            raise under_caller_boundary(self._acco_config.accumulation)
         self._acco_caller_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
@@ -170,9 +167,7 @@ class AccoEngine(DeepSpeedEngine):
                                  "weighting 'sample' or 'token'")
             return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         if not scale_wrt_gas:
-            raise ValueError("engine.backward(..., scale_wrt_gas=False) with ACCO: the mean gradient is formed "
-                             "from the 1/gradient_accumulation_steps loss scaling; fix: keep scale_wrt_gas=True "
-                             "(HF Trainer / Accelerate: call ds_acco.install() before building the Trainer)")
+            raise refuse("unscaled_backward", "engine.backward(..., scale_wrt_gas=False) with ACCO")
         self._acco_leave_committed_weights()  # a backward after eval() without train(): back on the live weights
         self._acco_weight = driver.check_weight(weight, "engine.backward")
         out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
@@ -344,91 +339,15 @@ class AccoEngine(DeepSpeedEngine):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's save, drained first, with the committed θ as the model weights and ACCO's
-        in-flight state beside the optimizer state, published atomically (see core/publish.py)."""
-        driver = self._acco_driver()
-        driver.drain()  # may book a commit: the tag then names the step it contains
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        final = os.path.join(save_dir, tag)
-        rank = self.local_rank if self.use_node_local_storage() else self.global_rank
-        if rank == 0:
-            publish.clear_scratch(final)
-        with self.acco_committed_weights():
-            super().save_checkpoint(save_dir, tag=os.path.basename(publish.scratch_path(final)),
-                                    client_state=client_state, save_latest=False,
-                                    exclude_frozen_parameters=exclude_frozen_parameters)
-        if rank == 0:
-            publish.publish(final, os.path.join(save_dir, "latest") if save_latest else None, tag)
-        ds_dist.barrier()
-        return True
+        in-flight state beside the optimizer state, published atomically (:func:`.checkpoint.save`)."""
+        return checkpoint.save(self, super().save_checkpoint, save_dir, tag=tag, client_state=client_state,
+                               save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """DeepSpeed's load; then ACCO's in-flight state is restored when the checkpoint has it
-        for this world size, otherwise a fresh phase starts at the loaded (committed) weights."""
-        self._acco_leave_committed_weights()
-        schedule = self._acco_driver().schedule
-        schedule.drain()
-        self.optimizer.pending_acco_state = None
-        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
-        if out[0] is None:
-            return out
-        state = self.optimizer.pending_acco_state
-        self.optimizer.pending_acco_state = None
-        restored = False
-        if state is not None:
-            try:
-                schedule.load_state_dict(state)
-                restored = True
-                # What get_global_grad_norm() answers until the next commit (HF logs it each step).
-                self._global_grad_norm = self.optimizer._global_grad_norm = schedule.last_commit_grad_norm
-            except ValueError as exc:
-                logger.warning(f"{exc}; starting a fresh ACCO phase at the loaded weights")
-        if not restored:
-            schedule.reset(self.global_steps)
-            if self.global_rank == 0:
-                logger.info("ACCO: no usable in-flight state in the checkpoint (stock ZeRO-1 checkpoint, other "
-                            "world size, or optimizer states not loaded): starting a fresh phase")
-        return out
-
-
-def _check_same_on_all_ranks(acco: AccoConfig, raw: Optional[dict], kwargs: dict) -> None:
-    """Refuse a run whose ranks disagree on the ACCO settings (one small collective at start-up).
-    The rank's device is set first, as DeepSpeed's engine would: NCCL stages the objects there."""
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-    if kwargs.get("dist_init_required") is False and not dist.is_initialized():
-        return
-    accelerator = get_accelerator()
-    ds_dist.init_distributed(dist_backend=accelerator.communication_backend_name(),
-                             distributed_port=kwargs.get("distributed_port", 29500),
-                             dist_init_required=kwargs.get("dist_init_required"))
-    if not accelerator.is_synchronized_device() and "LOCAL_RANK" in os.environ:
-        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
-    check_same_on_all_ranks({"acco": acco.model_dump(), "gradient_accumulation_steps":
-                             (raw or {}).get("gradient_accumulation_steps"), "fp16": (raw or {}).get("fp16")},
-                            "the \"acco\" block (or gradient_accumulation_steps / fp16)")
-
-
-def _built_layout(engine: DeepSpeedEngine, model, mpu, lr_scheduler) -> ParallelLayout:
-    """The layout ``engine`` built: DeepSpeed's groups as the engine read them in
-    ``_configure_distributed_model`` (model-parallel and sequence-parallel sizes, the data-parallel
-    group ZeRO reduces over), whatever built them (an mpu, AutoTP, ``tp_model_init``, a mesh)."""
-    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
-    autotp = engine.autotp_size()
-    tp_from = "AutoTP's model-parallel group size" if autotp > 1 else "the engine's model-parallel group size"
-    sp, sp_from = engine.sequence_parallel_size, "the engine's sequence-parallel group size"
-    if sp <= 1 and engine.seq_dp_world_size != engine.dp_world_size:
-        sp, sp_from = engine.seq_dp_world_size // max(1, engine.dp_world_size), (
-            "the engine's sequence-data-parallel group size / data-parallel group size")
-    sequence_parallel_params, expert_params = marked_params(model)
-    return ParallelLayout(tensor_parallel=engine.mp_world_size, tensor_parallel_from=tp_from,
-                          pipeline_parallel=bwc_pipeline_parallel_world_size(engine.mpu),
-                          pipeline_parallel_from="the engine's mpu pipeline-parallel size", sequence_parallel=sp,
-                          sequence_parallel_from=sp_from, sequence_parallel_params=sequence_parallel_params,
-                          expert_params=expert_params,
-                          caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
-
-
-_caller_boundary_refusal = caller_boundary_refusal  # AccoEngine.set_gradient_accumulation_boundary raises it
+        for this world size, otherwise a fresh phase starts at the loaded (committed) weights
+        (:func:`.checkpoint.load`)."""
+        return checkpoint.load(self, super().load_checkpoint, load_dir, tag=tag, **kwargs)
 
 
 def initialize(args: Any = None, model=None, *pos, config: Any = None, config_params: Any = None, **kwargs):
@@ -450,15 +369,12 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
     # again what DeepSpeed built (_configure_distributed_model).
     check_layout(acco, requested_layout(raw, kwargs.get("mpu"), model, kwargs.get("lr_scheduler"),
                                         kwargs.get("mesh_param")))
-    _check_same_on_all_ranks(acco, raw, kwargs)
+    check_ranks_agree(acco, raw, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
     from deepspeed.runtime.pipe.module import PipelineModule
     if isinstance(model, PipelineModule):
-        raise ValueError("acco.enabled = true with a PipelineModule: DeepSpeed's pipeline engine is not supported "
-                         "by ACCO; fix: train without pipeline parallelism (Megatron-DeepSpeed builds a "
-                         "PipelineModule even with --pipeline-model-parallel-size 1 unless you pass "
-                         "--no-pipeline-parallel), or disable acco")
+        raise refuse("pipeline_module", "acco.enabled = true with a PipelineModule")
 
     def build(*a, **kw):
         return AccoEngine(*a, acco_config=acco, **kw)

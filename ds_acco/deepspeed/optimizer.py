@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.utils import logger
 
 from ..config import AccoConfig
 from ..core.buffers import FlatBuffers
 from ..core.driver import AccoDriver
+from ..core.refusals import check_estimate_dtype
+from .host import DeepSpeedHost
 from . import functional  # noqa: F401 -- registers DeepSpeed's Adams' functional estimates with the core
 
 ACCO_STATE_KEY = "acco_state"
@@ -91,10 +92,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         world = dist.get_world_size(group=self.dp_process_group)
         rank = dist.get_rank(group=self.dp_process_group)
         estimate_dtype = _DTYPES[acco_config.estimate_comm_dtype] if acco_config.estimate_comm_dtype else None
-        if estimate_dtype is not None and estimate_dtype.itemsize > comm_dtype.itemsize:
-            raise ValueError(f"acco.estimate_comm_dtype = {acco_config.estimate_comm_dtype!r} is wider than the "
-                             f"communication dtype {comm_dtype}; fix: use a narrower one (e.g. 'bf16'), or set "
-                             "DeepSpeed's communication_data_type / data_types.grad_accum_dtype to fp32")
+        check_estimate_dtype("estimate_dtype_deepspeed", acco_config.estimate_comm_dtype, estimate_dtype, comm_dtype)
         groups = []
         for i, live in enumerate(self.bit16_groups_flat):
             grads = torch.zeros(live.numel(), dtype=accum_dtype, device=live.device)
@@ -127,16 +125,10 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         for i, g in enumerate(groups):
             g.on_grads_moved = _follow_grads(weakref.ref(self), i)
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
-        self.driver = AccoDriver(
-            acco_config, groups=groups, optimizer=self.optimizer, process_group=self.dp_process_group,
-            gradient_accumulation_steps=gradient_accumulation_steps, clip_grad=self.clip_grad,
-            device=groups[0].live.device, host=engine, step_lr_scheduler=engine._acco_step_lr_scheduler,
-            lr_scheduler=lambda: engine.lr_scheduler,
-            loss_scale=lambda: self.loss_scale, update_loss_scale=self._acco_update_loss_scale,
-            after_commit=self._after_commit, log=logger.info, framework="DeepSpeed ZeRO-1",
-            announce=logger.warning,  # DeepSpeed's logger shows WARNING and above by default
-            accelerator=_stream_accelerator(groups[0].live.device),
-            model_parallel_group=self.model_parallel_group if model_parallel else None)
+        device = groups[0].live.device
+        self.driver = AccoDriver(acco_config, DeepSpeedHost(
+            engine, self, groups, gradient_accumulation_steps, accelerator=_stream_accelerator(device),
+            model_parallel_group=self.model_parallel_group if model_parallel else None))
 
     @property
     def schedule(self):

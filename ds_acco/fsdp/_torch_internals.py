@@ -13,6 +13,8 @@ from typing import Callable, List
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from ..core.refusals import refuse
+
 
 @dataclass(frozen=True)
 class FSDPParamView:
@@ -75,17 +77,13 @@ def trainable_params(modules: List[FSDPModule]) -> List[FSDPParamView]:
 
 
 def check_supported(fp) -> None:
-    """Refuse FSDP settings the adapter does not map (ValueError naming the fix)."""
-    mesh = fp.mesh_info.mesh
-    if mesh.ndim != 1:
-        raise ValueError("AccoFSDP supports one 1-D device mesh for every fully_shard call (plain FSDP, not HSDP or "
-                         "2-D meshes); fix: pass the same 1-D mesh to every fully_shard "
-                         "(of a 2-D mesh, its data-parallel dimension: mesh[\"dp\"])")
+    """Refuse FSDP settings the adapter does not map (:mod:`ds_acco.core.refusals`)."""
+    if fp.mesh_info.mesh.ndim != 1:
+        raise refuse("fsdp_mesh")
     if fp.is_dtensor or fp.fsdp_placement.dim != 0:
-        raise ValueError("AccoFSDP shards parameters on dim 0 only, with plain (non-DTensor) module parameters; "
-                         "fix: drop shard_placement_fn / tensor parallelism")
+        raise refuse("fsdp_placement")
     if fp.offload_to_cpu:
-        raise ValueError("CPUOffloadPolicy is not supported by AccoFSDP; fix: remove offload_policy")
+        raise refuse("fsdp_cpu_offload")
 
 
 def guard_regather(modules: List[FSDPModule], allowed: Callable[[], bool], message: str) -> Callable[[], None]:

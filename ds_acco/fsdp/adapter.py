@@ -24,22 +24,23 @@ reduction. FSDP's sharded DTensor parameters are the shards the user's optimizer
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from ..config import acco_config_of, check_lockstep, check_schedule_compat, load_ds_config
+from ..config import acco_config_of
+from ..config_deepspeed import load_ds_config
 from ..core.driver import AccoDriver, check_same_on_all_ranks
+from ..core.refusals import check_fsdp_model, check_lockstep, check_schedule_compat, refuse
 from ..core.rounds import RoundResult
 from ..core.schedule import AccoSchedule
 from ..weights import ExportHooks
 from . import _torch_internals as fsdp_internals
 from .buffers import FSDPBuffers, FSDPShardedBuffers
+from .host import FSDPHost
 
-logger = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _RESET_REFUSED = (
     "FSDP is about to reset its sharded parameters (model.to(), .float() or model.load_state_dict() was called while "
@@ -118,21 +119,11 @@ class AccoFSDP:
                                  "over the data-parallel mesh)")
         self.sharded_params = sharded_params
         self.buffers = self._take_over_fsdp(model, acco)
-        scaler = self.loss_scaler
-        self.driver = AccoDriver(
-            acco, groups=[self.buffers], optimizer=optimizer, process_group=self._mesh_group,
-            gradient_accumulation_steps=gas, clip_grad=float(clip), device=self.buffers.grads.device, host=self,
-            step_lr_scheduler=None if lr_scheduler is None else lr_scheduler.step,
-            lr_scheduler=lambda: self.lr_scheduler,
-            loss_scale=None if scaler is None else (lambda: scaler.cur_scale),
-            update_loss_scale=None if scaler is None else self._update_loss_scale, log=logger.info,
-            framework="FSDP2")
+        self.driver = AccoDriver(acco, FSDPHost(self, self._mesh_group, gas, float(clip)))
         if sharded_params and not self.driver.shard_optimizer.functional:
             self.close()
-            raise ValueError(f"AccoFSDP(sharded_params=True) with {type(optimizer).__name__}: its estimate would take "
-                             "a real step on the shards FSDP all-gathers from during that phase (only torch SGD / "
-                             "Adam / AdamW have a functional step); fix: use one of those, or the resident layout "
-                             "(sharded_params=False)")
+            raise refuse("fsdp_sharded_params_optimizer", f"AccoFSDP(sharded_params=True) with "
+                                                          f"{type(optimizer).__name__}")
         # Every model.state_dict() (and get_model_state_dict, DCP) reads the committed θ: the
         # sharded parameters FSDP puts in a state dict are the master shards, settled first.
         self._exports = ExportHooks(model, self.driver.schedule, settle_shards=True)
@@ -176,29 +167,13 @@ class AccoFSDP:
         if not params:
             raise ValueError("the model has no trainable FSDP parameters; fix: apply fully_shard to modules "
                              "with parameters that require grad")
-        if any(p.mesh != params[0].mesh for p in params):
-            raise ValueError("AccoFSDP supports one 1-D device mesh for every fully_shard call (plain FSDP, "
-                             "not HSDP or 2-D meshes); fix: pass the same 1-D mesh to every fully_shard "
-                             "(of a 2-D mesh, its data-parallel dimension: mesh[\"dp\"])")
-        accum, live = {p.reduce_dtype for p in params}, {p.param_dtype for p in params}
-        if len(accum) != 1 or len(live) != 1:
-            raise ValueError("AccoFSDP needs one MixedPrecisionPolicy (param_dtype / reduce_dtype) for the whole "
-                             "model; fix: pass the same mp_policy to every fully_shard")
-        accum_dtype, live_dtype = accum.pop(), live.pop()
-        if self.loss_scaler is not None and (live_dtype != torch.float16 or accum_dtype != torch.float32):
-            raise ValueError(f"fp16.enabled = true, but the model computes in {live_dtype} and reduces in "
-                             f"{accum_dtype}: loss scaling is for fp16 compute with fp32 gradients; fix: "
-                             "fully_shard with MixedPrecisionPolicy(param_dtype=torch.float16, "
-                             "reduce_dtype=torch.float32), or remove the fp16 block")
-        if self.loss_scaler is None and live_dtype == torch.float16:
-            raise ValueError("the model computes in float16 (MixedPrecisionPolicy param_dtype) without loss "
-                             "scaling: small gradients would underflow; fix: add \"fp16\": {\"enabled\": true} "
-                             "(dynamic loss scaling) to the config, or use bf16")
         estimate_dtype = _DTYPES[acco.estimate_comm_dtype] if acco.estimate_comm_dtype else None
-        if estimate_dtype is not None and estimate_dtype.itemsize > accum_dtype.itemsize:
-            raise ValueError(f"acco.estimate_comm_dtype = {acco.estimate_comm_dtype!r} is wider than the "
-                             f"communication dtype {accum_dtype} (the MixedPrecisionPolicy's reduce_dtype, else "
-                             "param_dtype); fix: use a narrower one (e.g. 'bf16') or remove it")
+        check_fsdp_model(one_mesh=all(p.mesh == params[0].mesh for p in params),
+                         reduce_dtypes=[p.reduce_dtype for p in params], param_dtypes=[p.param_dtype for p in params],
+                         loss_scaling=self.loss_scaler is not None, estimate_comm_dtype=acco.estimate_comm_dtype,
+                         estimate_dtype=estimate_dtype, post_forward_mesh=self.sharded_params and any(
+                             fsdp_internals.resharded_after_forward_to_a_smaller_mesh(p) for p in params))
+        accum_dtype, live_dtype = params[0].reduce_dtype, params[0].param_dtype
         owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         if owned != {id(p.sharded) for p in params}:
             raise ValueError("the optimizer must own exactly the shard parameters: the optimizer must hold exactly "
@@ -206,9 +181,6 @@ class AccoFSDP:
                              "fully_shard and before AccoFSDP")
         self._mesh_group = params[0].mesh.get_group()
         world = dist.get_world_size(self._mesh_group)
-        if self.sharded_params and any(fsdp_internals.resharded_after_forward_to_a_smaller_mesh(p) for p in params):
-            raise ValueError("AccoFSDP(sharded_params=True) with an integer reshard_after_forward (a post-forward "
-                             "mesh): not supported; fix: fully_shard with reshard_after_forward=True (or False)")
         layout = FSDPShardedBuffers if self.sharded_params else FSDPBuffers
         buffers = layout(params, rank=dist.get_rank(self._mesh_group), world=world, accum_dtype=accum_dtype,
                          live_dtype=live_dtype, device=params[0].unsharded.device, estimate_dtype=estimate_dtype)
@@ -219,11 +191,6 @@ class AccoFSDP:
             buffers.reshard = lambda: [m.reshard() for m in modules]
             self._remove_guard = fsdp_internals.guard_reset(params, _RESET_REFUSED)
         return buffers
-
-    def _update_loss_scale(self, skipped: bool) -> float:
-        if self.loss_scaler.dynamic:
-            self.loss_scaler.update_scale(skipped)  # DeepSpeed's rule, once per optimizer step
-        return float(self.loss_scaler.cur_scale)
 
     # -- the training loop ------------------------------------------------------------------------
     @property

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..core.buffers import BufferGroup, swap_
-from ..core.rounds import RoundKind
+from ..core.phases import RoundKind
 from . import _torch_internals as fsdp_internals
 from ._torch_internals import FSDPParamView
 

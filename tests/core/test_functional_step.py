@@ -16,7 +16,7 @@ import torch
 
 from alloc_counter import AllocCounter
 from ds_ops import op_unavailable
-from ds_acco.core import functional_step
+from ds_acco.core import functional_commit, functional_step
 from ds_acco.core.shard_optimizer import ShardOptimizer, global_norm_sq
 
 TORCH_CONFIGS = {
@@ -494,13 +494,13 @@ def test_commit_in_place_is_bit_identical_to_real_steps(name):
     opt = TORCH_CONFIGS[name](_groups(params))
     ref = copy.deepcopy(opt)
     ref_params = [p for g in ref.param_groups for p in g["params"]]
-    assert functional_step.supports_commit(opt)
+    assert functional_commit.supports_commit(opt)
     for step in range(STEPS):
         grads = [torch.randn_like(p) for p in params]
         if step == 0:
             grads[1] = None
         kept = [None if g is None else g.clone() for g in grads]
-        functional_step.commit_in_place(opt, params, grads, CHUNK)
+        functional_commit.commit_in_place(opt, params, grads, CHUNK)
         for p, r, g in zip(ref_params, params, grads):
             p.grad = None if g is None else g.clone()
         ref.step()
@@ -520,7 +520,7 @@ def test_commit_does_not_depend_on_the_chunk(chunk):
     ref_params = [p for g in ref.param_groups for p in g["params"]]
     for step in range(2):
         grads = [torch.randn_like(p) for p in params]
-        functional_step.commit_in_place(opt, params, grads, chunk)
+        functional_commit.commit_in_place(opt, params, grads, chunk)
         _real_step(ref, ref_params, grads)
         _assert_same_as_real(opt, params, ref, ref_params, f"chunk {chunk}, step {step}")
 
@@ -532,12 +532,12 @@ def test_commit_allocates_only_chunk_sized_temporaries(name):
     torch.manual_seed(15)
     p = torch.randn(BIG, requires_grad=True)
     opt = TORCH_CONFIGS[name]([p])
-    functional_step.commit_in_place(opt, [p], [torch.randn_like(p)], MEM_CHUNK)  # creates the state
+    functional_commit.commit_in_place(opt, [p], [torch.randn_like(p)], MEM_CHUNK)  # creates the state
     ref = copy.deepcopy(opt)
     ref_p = ref.param_groups[0]["params"][0]
     g = torch.randn_like(p)
     with AllocCounter() as counter:
-        functional_step.commit_in_place(opt, [p], [g], MEM_CHUNK)
+        functional_commit.commit_in_place(opt, [p], [g], MEM_CHUNK)
     assert counter.largest <= MEM_CHUNK, counter.report()
     assert counter.total_bytes <= 2 * MEM_CHUNK * 4 + 64, counter.report()
     ref_p.grad = g.clone()
@@ -608,14 +608,14 @@ def test_commit_with_an_lr_scheduler_does_not_warn(via):
         warnings.simplefilter("always")
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
-        assert functional_step.supports_commit(opt)  # the scheduler's wrapper is no override
+        assert functional_commit.supports_commit(opt)  # the scheduler's wrapper is no override
         so = ShardOptimizer(opt, params, chunk_elems=CHUNK)
         for step in range(3):
             grads = [torch.randn_like(p) for p in params]
             if via == "shard_optimizer":
                 so.commit(grads)
             else:
-                functional_step.commit_in_place(opt, params, grads, CHUNK)
+                functional_commit.commit_in_place(opt, params, grads, CHUNK)
             sched.step()
             _real_step(ref, ref_params, grads)
             ref_sched.step()
@@ -660,9 +660,9 @@ def test_unsupported_commits_fall_back_to_the_real_step(name):
     ref = copy.deepcopy(opt) if name not in ("adamw-step-hooks", "sgd-step-overridden") else FALLBACK_CONFIGS[name](
         [p.detach().clone().requires_grad_() for p in params])
     ref_params = [p for g in ref.param_groups for p in g["params"]]
-    assert not functional_step.supports_commit(opt)
+    assert not functional_commit.supports_commit(opt)
     with pytest.raises(ValueError):
-        functional_step.commit_in_place(opt, params, [torch.randn_like(p) for p in params], CHUNK)
+        functional_commit.commit_in_place(opt, params, [torch.randn_like(p) for p in params], CHUNK)
     so = ShardOptimizer(opt, params, chunk_elems=CHUNK)
     assert not so.functional_commit
     for step in range(2):

@@ -17,7 +17,7 @@ from ds_acco.core.report import DRAIN_ABORT, RoundReport, reports_from_checkpoin
 from ds_acco.core.rounds import DrainMismatchError, RoundKind, RoundResult, check_no_drain_abort
 from ds_acco.core.drains import _flagged
 from ds_acco.core.schedule import AccoSchedule
-from ds_acco.metrics import StepMetrics
+from ds_acco.core.metrics import StepMetrics
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A skipped commit's LR-scheduler step is undone through the scheduler's protocol
-(ds_acco/core/scheduler_undo.py, driven by the driver's ``_LRBookkeeping``).
+(ds_acco/core/scheduler_undo.py, driven by ``LRBookkeeping``, ds_acco/core/lr_bookkeeping.py).
 
 The calls are the schedule's own, in its order: before a commit is launched the step still owed
 is taken (``step_owed``), the round captures the settings (``capture_settings``: what the round
@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from ds_acco.core.driver import _LRBookkeeping
+from ds_acco.core.lr_bookkeeping import LRBookkeeping
 from ds_acco.core.functional_step import capture_settings
 from ds_acco.core.rounds import RoundKind
 from ds_acco.core.scheduler_undo import copied_state, load_restores
@@ -41,7 +41,7 @@ def _optimizer(scale: int = 1, tensor_lr: bool = False):
 
 
 def _bookkeeping(opt, sched):
-    return _LRBookkeeping(lambda: sched.step(), lambda: sched, lambda: opt)
+    return LRBookkeeping(lambda: sched.step(), lambda: sched, lambda: opt)
 
 
 def _run(lr, opt, skipped=SKIPPED, steps=STEPS, between=None):
@@ -251,7 +251,7 @@ def test_a_step_the_caller_takes_for_the_commit_in_flight_is_undone_with_it():
     with no commit in flight, only taken."""
     opt = _optimizer()
     sched = SCHEDULERS["sequential"](opt)
-    lr = _LRBookkeeping(None, lambda: None, lambda: opt)  # the engine owns no scheduler
+    lr = LRBookkeeping(None, lambda: None, lambda: opt)  # the engine owns no scheduler
     lr.caller_step(sched, sched.step)  # before any commit
     used = []
     for t in range(STEPS):
@@ -293,7 +293,7 @@ def test_a_load_that_does_not_restore_is_found_on_a_copy_and_the_inverse_step_is
     real one and the param groups untouched), it is not used; the adapter's inverse step is."""
     opt = _optimizer()
     sched = MegatronLikeScheduler(opt)
-    lr = _LRBookkeeping(_megatron_step(sched), lambda: sched, lambda: opt)
+    lr = LRBookkeeping(_megatron_step(sched), lambda: sched, lambda: opt)
     with caplog.at_level(logging.WARNING, logger="ds_acco"):
         used, read = _run(lr, opt)
     want, num_steps = _megatron_reference(SKIPPED)
@@ -313,7 +313,7 @@ def test_a_load_that_does_not_restore_without_an_inverse_is_warned_and_deferred(
     known applied, so later skips cost nothing more."""
     opt = _optimizer()
     sched = MegatronLikeScheduler(opt)
-    lr = _LRBookkeeping(_megatron_step(sched, inverse=False), lambda: sched, lambda: opt)
+    lr = LRBookkeeping(_megatron_step(sched, inverse=False), lambda: sched, lambda: opt)
     with caplog.at_level(logging.WARNING, logger="ds_acco"):
         used, _ = _run(lr, opt)
     want, num_steps = _megatron_reference(SKIPPED[1:])  # the first skip is not undone

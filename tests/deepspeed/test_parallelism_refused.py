@@ -7,7 +7,8 @@ test_autotp.py train it)."""
 import pytest
 
 import ds_acco
-from ds_acco.config import LAYOUT_REFUSALS, AccoConfig, check_layout, requested_layout
+from ds_acco.config import AccoConfig, requested_layout
+from ds_acco.core.refusals import LAYOUT_REFUSALS, check_layout
 from fixtures import TinyNet, ds_config, make_optimizer
 
 ACCO = {"enabled": True, "mode": "acco"}
@@ -27,27 +28,28 @@ class FakeMPU:
         return self.sp
 
 
-def _refusal(model=None, acco=ACCO, mpu=None, **kwargs):
+def _refusal(key, model=None, acco=ACCO, mpu=None, **kwargs):
+    """The message of the refusal ``ds_acco.initialize`` raises; ``key``: its row in core/refusals.py."""
     model = model or TinyNet(seed=0)
     config = kwargs.pop("config", ds_config(4, acco))
     with pytest.raises(ValueError) as err:
         ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model), config=config, mpu=mpu, **kwargs)
-    assert "fix:" in str(err.value)
+    assert "fix:" in str(err.value) and err.value.refusal == key
     return str(err.value)
 
 
-@pytest.mark.parametrize("tp,pp,sp,name", [(1, 2, 1, "get_pipeline_model_parallel_world_size"),
-                                           (2, 2, 1, "get_pipeline_model_parallel_world_size"),
-                                           (1, 1, 2, "get_sequence_parallel_world_size")])
-def test_model_parallelism_is_refused(tp, pp, sp, name):
-    assert f"mpu.{name}() = 2" in _refusal(mpu=FakeMPU(tp, pp, sp))
+@pytest.mark.parametrize("tp,pp,sp,name,key", [(1, 2, 1, "get_pipeline_model_parallel_world_size", "pipeline_parallel"),
+                                               (2, 2, 1, "get_pipeline_model_parallel_world_size", "pipeline_parallel"),
+                                               (1, 1, 2, "get_sequence_parallel_world_size", "ulysses")])
+def test_model_parallelism_is_refused(tp, pp, sp, name, key):
+    assert f"mpu.{name}() = 2" in _refusal(key, mpu=FakeMPU(tp, pp, sp))
 
 
 @pytest.mark.parametrize("how,kwargs", [
     ("sequence_parallel_size = 2", {"config": ds_config(4, ACCO, sequence_parallel_size=2, data_parallel_size=1)}),
     ("mesh_param[1] (the sequence-parallel size of the mesh) = 2", {"mesh_param": (1, 2)})])
 def test_ulysses_from_the_config_or_a_mesh_is_refused(how, kwargs):
-    msg = _refusal(**kwargs)
+    msg = _refusal("ulysses", **kwargs)
     assert f"acco.enabled = true with sequence parallelism: {how}" in msg and "--ds-sequence-parallel-size 1" in msg
 
 
@@ -61,7 +63,7 @@ def _megatron_model(sequence_parallel):
 
 
 def test_megatron_sequence_parallelism_is_refused():
-    msg = _refusal(_megatron_model(True), mpu=FakeMPU(tp=2))
+    msg = _refusal("megatron_sequence_parallel", _megatron_model(True), mpu=FakeMPU(tp=2))
     assert "Megatron's sequence parallelism: 2 parameters marked sequence_parallel = True (e.g. 'fc1.bias')" in msg
     assert "mpu.get_model_parallel_world_size() = 2" in msg  # what it read the tensor-parallel size from
     assert "summed over the tensor-parallel group" in msg and "fix: run without --sequence-parallel" in msg
@@ -78,7 +80,7 @@ def test_megatron_without_sequence_parallelism_passes_the_check(sequence_paralle
 def test_moe_experts_are_refused():
     model = TinyNet(seed=0)
     model.fc2.weight.allreduce = False  # how DeepSpeed marks expert parameters
-    msg = _refusal(model)
+    msg = _refusal("moe_experts", model)
     assert "MoE expert parameters" in msg and "'fc2.weight'" in msg
 
 
@@ -89,7 +91,8 @@ AUTOTP = {"autotp_size": 2}
 def test_per_rank_phase_lengths_under_autotp_are_refused_before_any_engine(accumulation):
     """No mpu: the tensor-parallel size is read from the config (and again from the engine's groups,
     tests/deepspeed/test_autotp.py)."""
-    msg = _refusal(config=ds_config(4, dict(ACCO, accumulation=accumulation), tensor_parallel=AUTOTP))
+    msg = _refusal("per_rank_phases_tensor_parallel",
+                   config=ds_config(4, dict(ACCO, accumulation=accumulation), tensor_parallel=AUTOTP))
     assert (f"acco.accumulation = '{accumulation}' with tensor parallelism (AutoTP: "
             "tensor_parallel.autotp_size = 2") in msg and 'fix: set "accumulation": "fixed"' in msg
 

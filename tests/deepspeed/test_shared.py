@@ -164,9 +164,11 @@ def test_refused_at_initialize_under_megatron():
     model = TinyNet(seed=0)
     opt = make_optimizer("adamw")(model)
     with pytest.raises(ValueError, match="accumulation = 'shared' with a caller that sets the accumulation "
-                                         "boundary.*its share by measured speed.*fix: use .accumulation.: .fixed."):
+                                         "boundary.*its share by measured speed.*fix: use .accumulation.: "
+                                         ".fixed.") as caught:
         ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=IncrementLR(opt),
                            config=ds_config(GAS, SHARED), dist_init_required=False)
+    assert caught.value.refusal == "per_rank_phases_caller_boundary"
 
 
 def test_refused_under_accelerate():
@@ -174,8 +176,9 @@ def test_refused_under_accelerate():
 
     _refuse_dynamic_under_accelerate({"config": ds_config(GAS, dict(SHARED, accumulation="fixed"))})  # fixed: fine
     with pytest.raises(ValueError, match="accumulation = 'shared' under Accelerate / HF Trainer.*its share by "
-                                         "measured speed.*fix: use .accumulation.: .fixed. with HF Trainer"):
+                                         "measured speed.*fix: use .accumulation.: .fixed. with HF Trainer") as caught:
         _refuse_dynamic_under_accelerate({"config": ds_config(GAS, SHARED)})
+    assert caught.value.refusal == "per_rank_phases_accelerate"
 
 
 def test_drains_at_equal_micro_batch_counts_agree(tmp_path):

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from ds_acco.core.refusals import REFUSALS
 from dist import run_ranks
 from timeouts import scaled
 import fsdp_workers
@@ -105,3 +106,4 @@ def test_the_jobs_trained_apart(runs):
 def test_hsdp_stays_refused(runs):
     for r in runs["saved"]:
         assert "not HSDP or 2-D meshes" in r["hsdp"] and "fix:" in r["hsdp"], r["hsdp"]
+        assert r["hsdp"].endswith(REFUSALS["fsdp_mesh"].fix), r["hsdp"]

@@ -5,6 +5,7 @@ resident layout: the same weights bit for bit, and the float64 reference."""
 import pytest
 import torch
 
+from ds_acco.core.refusals import REFUSALS
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer, make_scheduler
 from reference import reference_run
@@ -99,10 +100,12 @@ def test_sharded_checkpoint_resume_is_exact(runs):
 def test_sharded_params_at_the_edges(runs):
     e = runs["edges"]
     assert "RMSprop" in e["rmsprop"] and "functional step" in e["rmsprop"] and "fix:" in e["rmsprop"]
+    assert e["rmsprop"].endswith(REFUSALS["fsdp_sharded_params_optimizer"].fix)
     for accumulation in ("dynamic", "shared"):
         msg = e[accumulation]
         assert f"acco.accumulation = '{accumulation}'" in msg and "sharded_params=True" in msg, msg
         assert '"accumulation": "fixed"' in msg
+        assert msg.endswith(f"{REFUSALS['lockstep'].why}; fix: {REFUSALS['lockstep'].fix}"), msg
     assert e["on_estimate_mid_commit"] is True
     assert "model.to()" in e["to"] and "fix:" in e["to"]
     loaded = e["after_fallback_load"]

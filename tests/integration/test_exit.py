@@ -12,7 +12,7 @@ that imported torch and DeepSpeed once, so repetitions are cheap); the cases tha
 flight run :data:`REPEATS` times: an exit race would show in some repetitions only.
 
 Mutations that fail here: no ``atexit`` hook in ``AccoDriver`` (every ACCO case that ends with a
-round in flight aborts, exit -6); no ``_rearm_sigint_exit`` (FSDP2 + Ctrl-C exits 1, not -2); a
+round in flight aborts, exit -6); no ``at_exit.rearm_sigint_exit`` (FSDP2 + Ctrl-C exits 1, not -2); a
 garbage-collected dynamic-mode engine abandoned instead of drained at exit (``collected``: rank 0
 aborts, ``terminate called without an active exception``, in 5 of 6 runs).
 """

@@ -1,10 +1,13 @@
 """Bad "acco" blocks and incompatible DeepSpeed settings raise ValueErrors naming key, value and fix."""
 import json
+import re
 
 import pytest
 
 import ds_acco
 from ds_acco.config import AccoConfig, acco_config_of, load_ds_config
+from ds_acco.core.refusals import REFUSALS, check_deepspeed_compat
+from fixtures import ds_config
 from dist import run_ranks
 from timeouts import scaled
 import lifecycle_workers
@@ -78,31 +81,32 @@ def test_bad_block_fails_before_any_distributed_work():
         ds_acco.initialize(model=object(), config={"acco": {"enabled": True, "mode": "x"}})
 
 
-INIT_CASES = [
-    ({"gradient_accumulation_steps": 3}, "model", ["gradient_accumulation_steps", "3", "fix"]),
-    ({"gradient_accumulation_steps": 1}, "model", ["gradient_accumulation_steps", "1", "fix"]),
-    ({"zero_optimization": {"stage": 2}}, "model", ["zero_optimization.stage", "2", "fix"]),
-    ({"zero_optimization": {"stage": 3}}, "model", ["zero_optimization.stage", "3", "fix"]),
-    ({"zero_optimization": None}, "model", ["zero_optimization.stage", "0", "fix"]),
+INIT_CASES = [  # (config overrides, model kind, words the message must hold, its row in core/refusals.py)
+    ({"gradient_accumulation_steps": 3}, "model", ["gradient_accumulation_steps", "3", "fix"], "odd_accumulation"),
+    ({"gradient_accumulation_steps": 1}, "model", ["gradient_accumulation_steps", "1", "fix"], "odd_accumulation"),
+    ({"zero_optimization": {"stage": 2}}, "model", ["zero_optimization.stage", "2", "fix"], "zero_stage"),
+    ({"zero_optimization": {"stage": 3}}, "model", ["zero_optimization.stage", "3", "fix"], "zero_stage"),
+    ({"zero_optimization": None}, "model", ["zero_optimization.stage", "0", "fix"], "zero_stage"),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "model",
-     ["offload_optimizer.device", "cpu", "fix"]),
+     ["offload_optimizer.device", "cpu", "fix"], "optimizer_offload"),
     ({"bf16": {"enabled": True}, "acco": {"enabled": True, "estimate_comm_dtype": "fp32"}}, "model",
-     ["estimate_comm_dtype", "fp32", "wider", "fix"]),
+     ["estimate_comm_dtype", "fp32", "wider", "fix"], "estimate_dtype_deepspeed"),
     ({"fp16": {"enabled": True}, "acco": {"enabled": True, "nonfinite": "raise"}}, "model",
-     ["acco.nonfinite", "raise", "fp16.loss_scale", "fix"]),
+     ["acco.nonfinite", "raise", "fp16.loss_scale", "fix"], "raise_on_overflow"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "model",
-     ["fp16_master_weights_and_grads", "fix"]),
+     ["fp16_master_weights_and_grads", "fix"], "fp16_master_weights"),
     ({"fp16": {"enabled": True}, "acco": {"enabled": True, "estimate_comm_dtype": "fp16"}}, "model",
-     ["acco.estimate_comm_dtype", "fp16", "bf16", "fix"]),
-    ({"torch_autocast": {"enabled": True, "dtype": "fp16"}}, "model", ["torch_autocast", "fp16", "fix"]),
-    ({"torch_autocast": {"enabled": True}}, "model", ["torch_autocast", "unset", "fix"]),
-    ({}, "pipeline", ["PipelineModule", "fix"]),
+     ["acco.estimate_comm_dtype", "fp16", "bf16", "fix"], "fp16_estimate_round"),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp16"}}, "model", ["torch_autocast", "fp16", "fix"],
+     "fp16_autocast"),
+    ({"torch_autocast": {"enabled": True}}, "model", ["torch_autocast", "unset", "fix"], "fp16_autocast"),
+    ({}, "pipeline", ["PipelineModule", "fix"], "pipeline_module"),
 ]
 
 
 @pytest.fixture(scope="module")
 def init_errors():
-    return run_ranks(workers.init_errors, world=1, cases=[(o, k) for o, k, _ in INIT_CASES])[0]
+    return run_ranks(workers.init_errors, world=1, cases=[(o, k) for o, k, _, _ in INIT_CASES])[0]
 
 
 @pytest.mark.parametrize("i", range(len(INIT_CASES)), ids=[str(c[0]) or c[1] for c in INIT_CASES])
@@ -111,6 +115,26 @@ def test_incompatible_deepspeed_settings(init_errors, i):
     assert msg.startswith("ValueError"), msg
     for part in INIT_CASES[i][2]:
         assert part in msg, msg
+    # the row's reason and fix, as the table words them (its fields filled from the message)
+    row = REFUSALS[INIT_CASES[i][3]]
+    assert _words(row.why) in msg and _words(row.fix) in msg, msg
+
+
+def _words(text: str) -> str:
+    """The longest stretch of ``text`` without a {field}."""
+    return max(re.split(r"\{[a-z_]+\}", text), key=len)
+
+
+@pytest.mark.parametrize("block, key", [
+    ({"zero_optimization": {"stage": 1, "zenflow": {}}}, "zenflow"),
+    ({"hybrid_engine": {"enabled": True}}, "hybrid_engine"),
+])
+def test_deepspeed_settings_refused_as_deepspeed_parses_them(block, key):
+    from deepspeed.runtime.config import DeepSpeedConfig
+    raw = {**ds_config(4, {"enabled": True}), **block}
+    with pytest.raises(ValueError) as caught:
+        check_deepspeed_compat(acco_config_of(raw), DeepSpeedConfig(raw))
+    assert caught.value.refusal == key
 
 
 @pytest.mark.parametrize("blocks", [

@@ -10,9 +10,9 @@ import collections
 import math
 from typing import Deque, Dict, Iterable, Optional
 
-from .core.phases import PhaseRecord
-from .core.report import RoundReport
-from .core.rounds import RoundKind, RoundResult
+from .phases import PhaseRecord, RoundKind
+from .report import RoundReport
+from .rounds import RoundResult
 
 
 class StepMetrics:

@@ -1,0 +1,54 @@
+"""How the schedule runs: its options, read once from the ``"acco"`` config and the framework's settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .phases import FixedPhases
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How the schedule runs; built from the ``"acco"`` config by :meth:`from_config`."""
+    mode: str  # 'acco' or 'dpu'
+    phases: object  # FixedPhases, DynamicPhases or SharedPhases: when a phase ends
+    gas_scale: float = 1.0  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A)
+    clip_grad: float = 0.0  # clip each round's global mean gradient to this norm (0: off)
+    nonfinite: str = "skip"  # 'skip' or 'raise' on a non-finite global mean gradient
+    track_drift: bool = False  # measure the estimate drift in commit rounds (mode acco)
+    chunk_elems: Optional[int] = None  # a round's window (elements); None: per device (chunking.py)
+    history: int = 4096  # phases kept for metrics
+    lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
+    nominal_phase: int = 0  # micro-batches per rank of a fixed-mode phase (the count lr_power compares to)
+    estimate_lr_scale: float = 1.0  # the estimate's LR × this (acco.estimate.lr_scale; 1: the paper's)
+    committed_second_moment: bool = False  # the estimate reuses Adam's committed v (acco.estimate.second_moment)
+    delay_compensation: float = 0.0  # λ of the commit's delay compensation (acco.estimate.delay_compensation)
+    sync_warmup_steps: int = 0  # the first N steps run stock's synchronous schedule (acco.sync_warmup_steps)
+
+    def __post_init__(self):
+        if self.mode not in ("acco", "dpu"):
+            raise ValueError(f"mode must be 'acco' or 'dpu', got {self.mode!r}")
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        if self.lr_power and self.nominal_phase < 1:
+            raise ValueError(f"lr_power {self.lr_power} needs the fixed-mode phase length (nominal_phase >= 1), "
+                             f"got {self.nominal_phase}")
+        if self.sync_warmup_steps and (self.mode != "acco" or not isinstance(self.phases, FixedPhases)):
+            raise ValueError(f"sync_warmup_steps {self.sync_warmup_steps} needs mode 'acco' with fixed phases")
+        if self.delay_compensation and self.mode != "acco":
+            raise ValueError(f"delay_compensation {self.delay_compensation} needs mode 'acco' (an estimate round)")
+
+    @classmethod
+    def from_config(cls, acco, gradient_accumulation_steps: int, clip_grad: float = 0.0) -> "ScheduleOptions":
+        """From an :class:`~ds_acco.config.AccoConfig` and the framework's accumulation count and clip."""
+        return cls(mode=acco.mode, phases=acco.phase_policy(gradient_accumulation_steps),
+                   gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0),
+                   nonfinite=acco.nonfinite, track_drift=acco.metrics.estimate_drift and acco.mode == "acco",
+                   chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
+                   lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
+                             if acco.accumulation == "dynamic" else 0.0),
+                   nominal_phase=acco.phase_length(gradient_accumulation_steps),
+                   estimate_lr_scale=acco.estimate.lr_scale,
+                   committed_second_moment=acco.estimate.second_moment == "committed",
+                   delay_compensation=acco.estimate.delay_compensation,
+                   sync_warmup_steps=acco.sync_warmup_steps)

@@ -1,0 +1,384 @@
+"""What ACCO refuses, why, and the fix: one table, and the checks each adapter calls with what it built.
+
+Every refusal is a row of :data:`REFUSALS` (a key, the setting refused, the reason, the fix). A check
+raises a ``ValueError`` (its ``refusal`` attribute: the row's key) that reads ``found`` -- the setting as
+the adapter found it, with its value -- then the row's reason and fix. A plain ``ValueError``, so that
+callers and tracebacks see what they always saw. The DeepSpeed engine calls
+:func:`check_deepspeed_compat` with DeepSpeed's parsed config, :func:`check_layout` with the groups it
+built; ``AccoFSDP`` calls :func:`check_fsdp_model` with the FSDP parameters it took over; the driver
+calls :func:`check_estimate_variant` with its shard optimizer. Nothing here imports a framework: the
+adapters hand over plain values (sizes, dtypes, names).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+
+SEE_FOUND = "{found}: {why}; fix: {fix}"
+
+
+# -- the layout an engine runs under (what check_layout reads) -----------------------------------------
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The parallelism a DeepSpeed engine runs under: as the engine built it (its groups), or,
+    before it exists, as the caller asked for it (its ``mpu``, the config). Each size comes with
+    where it was read (``*_from``), which the refusals quote."""
+
+    tensor_parallel: int = 1
+    tensor_parallel_from: str = ""
+    pipeline_parallel: int = 1
+    pipeline_parallel_from: str = ""
+    sequence_parallel: int = 1  # DeepSpeed-Ulysses: ZeRO reduces over the sequence-data-parallel group
+    sequence_parallel_from: str = ""
+    sequence_parallel_params: tuple = ()  # Megatron --sequence-parallel: names of params marked sequence_parallel
+    expert_params: tuple = ()  # MoE experts (param.allreduce = False): names
+    caller_sets_boundary: bool = False  # Megatron-style caller: its mpu, or a scheduler stepped with increment=
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One row of :data:`REFUSALS`. ``why`` and ``fix`` may name fields (``{accumulation}``,
+    ``{uneven_steps}``, ...) filled from the call; ``form`` joins the three parts (most rows read
+    "found: why; fix: fix"). Layout rows have ``found_in(acco, layout)``: the setting they refuse
+    under ``layout``, or a false value when they do not apply."""
+
+    key: str
+    what: str
+    why: str
+    fix: str
+    form: str = SEE_FOUND
+    found_in: Optional[Callable[..., Optional[str]]] = None
+
+    def message(self, found: str = "", **fields) -> str:
+        fields.setdefault("uneven_steps", UNEVEN_STEPS.get(fields.get("accumulation", ""), ""))
+        return _fill(self.form, found=found, why=_fill(self.why, **fields), fix=_fill(self.fix, **fields))
+
+    def refuse(self, found: str = "", **fields) -> ValueError:
+        """The error to raise: the message, and the row's key as ``error.refusal``."""
+        error = ValueError(self.message(found, **fields))
+        error.refusal = self.key
+        return error
+
+
+def _fill(text: str, **fields) -> str:
+    # Not str.format: the texts quote JSON ({"stage": 1}), whose braces are not fields.
+    for name, value in fields.items():
+        text = text.replace("{" + name + "}", str(value))
+    return text
+
+
+# Why a caller that counts A micro-batches per rank per optimizer step (Megatron, HF Trainer /
+# Accelerate) cannot follow each policy: the reasons its refusals give.
+UNEVEN_STEPS = {
+    "dynamic": "dynamic ACCO commits a step whenever a round finishes, with as many micro-batches as fitted "
+               "under it (twice per iteration, or more), so its LR schedule and step counts would run ahead of "
+               "its own",
+    "shared": "shared ACCO keeps the global batch but gives each rank its own number of micro-batches per step "
+              "(its share by measured speed), so every rank's count of A micro-batches per step drifts from the "
+              "committed steps, differently on each rank, and the ranks stop evaluating and saving at the same "
+              "points",
+}
+LOCKSTEP_WHY = ("it gives each rank its own number of micro-batches per phase, but every micro-batch runs collectives "
+                "with the other ranks, which must all compute the same micro-batches")
+LOCKSTEP_FIX = "set \"accumulation\": \"fixed\""
+
+
+def _per_rank_phases(acco) -> bool:
+    return acco.accumulation in ("dynamic", "shared")
+
+
+_ROWS = (
+    # -- the schedule, every adapter ---------------------------------------------------------------
+    Refusal("fp16_master_weights", "fp16.fp16_master_weights_and_grads",
+            "ACCO keeps fp32 master shards and accumulates gradients in fp32",
+            "remove fp16_master_weights_and_grads or disable acco"),
+    Refusal("odd_accumulation", "an odd gradient_accumulation_steps in mode 'acco'",
+            "acco.mode 'acco' splits each optimizer step into two equal halves (estimate, commit), so it needs an "
+            "even value >= 2",
+            "set gradient_accumulation_steps to {even} or use \"mode\": \"dpu\""),
+    Refusal("fp16_estimate_round", "acco.estimate_comm_dtype 'fp16' with fp16 dynamic loss scaling",
+            "the estimate round would sum loss-scaled gradients over the ranks in fp16, and its overflows are not "
+            "fed to the scaler (only commits are, once per step), so estimates could fall back to θ unnoticed",
+            "use 'bf16' for the estimate round (same bytes, fp32's range) or remove it"),
+    Refusal("raise_on_overflow", "acco.nonfinite 'raise' with fp16 dynamic loss scaling",
+            "overflows are how the dynamic scaler finds its scale (the step is skipped and the scale halved), so "
+            "raising would stop the run at the first one",
+            "set acco.nonfinite to 'skip', or a static fp16.loss_scale > 0"),
+    Refusal("lockstep", "per-rank phase lengths where every micro-batch runs collectives",
+            LOCKSTEP_WHY, LOCKSTEP_FIX),
+    Refusal("estimate_variant_optimizer", "an estimate that reads Adam's committed second moment, without it",
+            "reads the committed second moment of torch Adam / AdamW, which {optimizer} (with these settings) "
+            "does not give",
+            "use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true, no capturable or differentiable) or "
+            "remove the key", form="{found} {why}; fix: {fix}"),
+    Refusal("one_hardware_queue", "overlapped rounds on one hardware queue (run synchronously instead: a warning)",
+            "a round's collectives, launched from the communication thread, and any collective the compute side "
+            "launches on another process group meanwhile (tensor parallelism, FSDP's all-gathers, a loss averaged "
+            "for logging) would share it in an order that differs between ranks, which can deadlock across ranks. "
+            "The rounds therefore run synchronously (acco.synchronous = true): correct, but nothing overlaps",
+            "unset CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (Megatron-DeepSpeed needs it only for "
+            "--sequence-parallel)"),
+    # -- DeepSpeed's config and engine ---------------------------------------------------------------
+    Refusal("fp16_autocast", "torch_autocast with fp16",
+            "fp16 autocast makes DeepSpeed scale losses with a torch GradScaler that ACCO's rounds do not divide out",
+            "set torch_autocast.dtype to \"bf16\", use the \"fp16\" block (DeepSpeed's loss scaler, supported), or "
+            "disable acco"),
+    Refusal("zero_stage", "a ZeRO stage other than 1", "ACCO is a ZeRO stage 1 optimizer",
+            "set \"zero_optimization\": {\"stage\": 1} or disable acco"),
+    Refusal("optimizer_offload", "zero_optimization.offload_optimizer", "ACCO keeps the sharded optimizer on the "
+            "accelerator", "remove offload_optimizer or disable acco"),
+    Refusal("zenflow", "zero_optimization.zenflow", "ZenFlow replaces the ZeRO optimizer ACCO extends",
+            "remove zenflow or disable acco"),
+    Refusal("hybrid_engine", "hybrid_engine.enabled", "not supported with ACCO", "disable one of them"),
+    Refusal("not_zero1_optimizer", "an engine whose optimizer is not DeepSpeed's ZeRO stage 1",
+            "not a ZeRO stage 1 optimizer",
+            "use \"zero_optimization\": {\"stage\": 1} with an optimizer (client or \"optimizer\" block), or disable "
+            "acco", form="{found}, {why}; fix: {fix}"),
+    Refusal("pipeline_module", "a PipelineModule", "DeepSpeed's pipeline engine is not supported by ACCO",
+            "train without pipeline parallelism (Megatron-DeepSpeed builds a PipelineModule even with "
+            "--pipeline-model-parallel-size 1 unless you pass --no-pipeline-parallel), or disable acco"),
+    Refusal("unscaled_backward", "engine.backward(..., scale_wrt_gas=False)",
+            "the mean gradient is formed from the 1/gradient_accumulation_steps loss scaling",
+            "keep scale_wrt_gas=True (HF Trainer / Accelerate: call ds_acco.install() before building the Trainer)"),
+    Refusal("estimate_dtype_deepspeed", "an estimate round wider than DeepSpeed's communication dtype",
+            "is wider than the communication dtype {comm_dtype}",
+            "use a narrower one (e.g. 'bf16'), or set DeepSpeed's communication_data_type / "
+            "data_types.grad_accum_dtype to fp32", form="{found} {why}; fix: {fix}"),
+    Refusal("per_rank_phases_accelerate", "dynamic / shared accumulation under Accelerate / HF Trainer",
+            "the Trainer counts one optimizer step per gradient_accumulation_steps micro-batches on every rank "
+            "(max_steps, save_steps, its LR schedule, checkpoint names) while {uneven_steps}",
+            "use \"accumulation\": \"fixed\" with HF Trainer, or drive the engine yourself (engine.backward + "
+            "engine.step per micro-batch, loop on engine.global_steps)"),
+    # -- parallel layouts (check_layout, in this order) ------------------------------------------------
+    Refusal(
+        "pipeline_parallel", "pipeline parallelism",
+        "ACCO runs on DeepSpeed's ZeRO-1 engine, not its pipeline engine, which schedules its own micro-batches "
+        "and reduces per stage",
+        "run with --pipeline-model-parallel-size 1 --no-pipeline-parallel (tensor parallelism is supported), or "
+        "disable acco",
+        found_in=lambda a, l: l.pipeline_parallel > 1 and (
+            f"acco.enabled = true with pipeline parallelism: {l.pipeline_parallel_from} = {l.pipeline_parallel}")),
+    Refusal(
+        "ulysses", "sequence parallelism (DeepSpeed-Ulysses)",
+        "ZeRO then reduces over the sequence-data-parallel group, which ACCO's rounds do not support yet",
+        "--ds-sequence-parallel-size 1 (no sequence_parallel_size in the config, no sequence-parallel mesh; tensor "
+        "parallelism is supported), or disable acco",
+        found_in=lambda a, l: l.sequence_parallel > 1 and (
+            f"acco.enabled = true with sequence parallelism: {l.sequence_parallel_from} = {l.sequence_parallel}")),
+    Refusal(
+        "megatron_sequence_parallel", "Megatron's sequence parallelism (--sequence-parallel)",
+        "each tensor-parallel rank computes the gradients of those parameters (layer norms, row-parallel biases) "
+        "on its own slice of the sequence, so they must be summed over the tensor-parallel group before the "
+        "optimizer step; Megatron does that in its own optimizer (reduce_model_grads), which its train_step skips "
+        "under --deepspeed, and neither DeepSpeed's ZeRO nor ACCO does it, so the tensor-parallel copies of those "
+        "parameters would drift apart",
+        "run without --sequence-parallel (tensor parallelism alone is supported), or disable acco",
+        found_in=lambda a, l: l.tensor_parallel > 1 and l.sequence_parallel_params and (
+            f"acco.enabled = true with Megatron's sequence parallelism: {len(l.sequence_parallel_params)} parameters "
+            f"marked sequence_parallel = True (e.g. {l.sequence_parallel_params[0]!r}) under tensor parallelism "
+            f"({l.tensor_parallel_from} = {l.tensor_parallel})")),
+    Refusal(
+        "moe_experts", "MoE experts", "ACCO does not partition expert groups",
+        "train the MoE model with stock ZeRO (disable acco)",
+        found_in=lambda a, l: bool(l.expert_params) and (
+            f"acco.enabled = true with MoE expert parameters ({len(l.expert_params)}, e.g. {l.expert_params[0]!r}: "
+            "param.allreduce = False)")),
+    Refusal(
+        "per_rank_phases_tensor_parallel", "per-rank phase lengths under tensor parallelism",
+        LOCKSTEP_WHY, LOCKSTEP_FIX,
+        found_in=lambda a, l: _per_rank_phases(a) and l.tensor_parallel > 1 and (
+            f"acco.accumulation = {a.accumulation!r} with tensor parallelism "
+            f"({l.tensor_parallel_from} = {l.tensor_parallel}: every forward and backward runs collectives over "
+            "the tensor-parallel group)")),
+    Refusal(
+        "per_rank_phases_caller_boundary", "per-rank phase lengths with a caller that sets the accumulation boundary",
+        "the caller counts one optimizer step, one lr_kwargs increment and one global batch per iteration of A "
+        "micro-batches on every rank, while {uneven_steps}",
+        "use \"accumulation\": \"fixed\" (the same batches and steps as stock), or drive the engine with "
+        "engine.backward + engine.step per micro-batch and loop on engine.global_steps",
+        found_in=lambda a, l: _per_rank_phases(a) and l.caller_sets_boundary and (
+            f"acco.accumulation = {a.accumulation!r} with a caller that sets the accumulation boundary and calls "
+            "step() once per iteration (Megatron-DeepSpeed's train_step)")),
+    # -- FSDP2 (AccoFSDP) ----------------------------------------------------------------------------------
+    Refusal("fsdp_mesh", "HSDP, 2-D meshes, or several meshes",
+            "AccoFSDP supports one 1-D device mesh for every fully_shard call (plain FSDP, not HSDP or 2-D meshes)",
+            "pass the same 1-D mesh to every fully_shard (of a 2-D mesh, its data-parallel dimension: mesh[\"dp\"])",
+            form="{why}; fix: {fix}"),
+    Refusal("fsdp_placement", "a shard placement other than dim 0, or DTensor module parameters",
+            "AccoFSDP shards parameters on dim 0 only, with plain (non-DTensor) module parameters",
+            "drop shard_placement_fn / tensor parallelism", form="{why}; fix: {fix}"),
+    Refusal("fsdp_cpu_offload", "FSDP's CPUOffloadPolicy", "CPUOffloadPolicy is not supported by AccoFSDP",
+            "remove offload_policy", form="{why}; fix: {fix}"),
+    Refusal("fsdp_mixed_precision", "several MixedPrecisionPolicies in one model",
+            "AccoFSDP needs one MixedPrecisionPolicy (param_dtype / reduce_dtype) for the whole model",
+            "pass the same mp_policy to every fully_shard", form="{why}; fix: {fix}"),
+    Refusal("fsdp_fp16_dtypes", "loss scaling without fp16 compute and fp32 gradients",
+            "loss scaling is for fp16 compute with fp32 gradients",
+            "fully_shard with MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32), or "
+            "remove the fp16 block"),
+    Refusal("fsdp_fp16_unscaled", "fp16 compute without loss scaling", "small gradients would underflow",
+            "add \"fp16\": {\"enabled\": true} (dynamic loss scaling) to the config, or use bf16"),
+    Refusal("estimate_dtype_fsdp", "an estimate round wider than the MixedPrecisionPolicy's reduce dtype",
+            "is wider than the communication dtype {comm_dtype} (the MixedPrecisionPolicy's reduce_dtype, else "
+            "param_dtype)", "use a narrower one (e.g. 'bf16') or remove it", form="{found} {why}; fix: {fix}"),
+    Refusal("fsdp_post_forward_mesh", "sharded_params with an integer reshard_after_forward", "not supported",
+            "fully_shard with reshard_after_forward=True (or False)"),
+    Refusal("fsdp_sharded_params_optimizer", "sharded_params with an optimizer that has no functional step",
+            "its estimate would take a real step on the shards FSDP all-gathers from during that phase (only torch "
+            "SGD / Adam / AdamW have a functional step)",
+            "use one of those, or the resident layout (sharded_params=False)"),
+)
+REFUSALS: Dict[str, Refusal] = {r.key: r for r in _ROWS}
+LAYOUT_REFUSALS = tuple(r for r in _ROWS if r.found_in is not None)
+assert len(REFUSALS) == len(_ROWS), "refusal keys must be unique"
+
+
+def refuse(key: str, found: str = "", **fields) -> ValueError:
+    """The error of row ``key`` (for the caller to raise; ``error.refusal == key``)."""
+    return REFUSALS[key].refuse(found, **fields)
+
+
+# -- the checks ----------------------------------------------------------------------------------------------
+def check_schedule_compat(acco, gradient_accumulation_steps: int, fp16=None) -> None:
+    """Checks every adapter shares: the accumulation count fits the mode; under fp16 (``fp16``:
+    DeepSpeed's parsed ``DeepSpeedFP16Config``, or None) fp32 master shards and gradients, and
+    overflows skipped (not raised) with dynamic loss scaling."""
+    gas = gradient_accumulation_steps
+    fp16 = fp16 if fp16 is not None and fp16.enabled else None
+    fp16_dynamic_loss_scale = fp16 is not None and fp16.loss_scale == 0
+    if fp16 is not None and getattr(fp16, "fp16_master_weights_and_grads", False):
+        raise refuse("fp16_master_weights", "fp16.fp16_master_weights_and_grads = true")
+    if acco.mode == "acco" and (gas < 2 or gas % 2):
+        raise refuse("odd_accumulation", f"gradient_accumulation_steps = {gas}", even=max(2, gas + gas % 2))
+    if fp16_dynamic_loss_scale and acco.estimate_comm_dtype == "fp16":
+        raise refuse("fp16_estimate_round", "acco.estimate_comm_dtype = 'fp16' with fp16 dynamic loss scaling")
+    if fp16_dynamic_loss_scale and acco.nonfinite == "raise":
+        raise refuse("raise_on_overflow",
+                     "acco.nonfinite = 'raise' with fp16 dynamic loss scaling (fp16.loss_scale = 0)")
+
+
+def check_deepspeed_compat(acco, ds) -> None:
+    """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
+    check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
+    autocast_dtype = getattr(ds, "torch_autocast_dtype", None)
+    if getattr(ds, "torch_autocast_enabled", False) and autocast_dtype in (None, torch.float16):
+        raise refuse("fp16_autocast", f"torch_autocast.enabled = true with dtype {autocast_dtype or 'unset'}")
+    stage = ds.zero_config.stage if ds.zero_enabled else 0
+    if stage != 1:
+        raise refuse("zero_stage", f"zero_optimization.stage = {stage}")
+    offload = ds.zero_config.offload_optimizer
+    device = str(getattr(getattr(offload, "device", None), "value", getattr(offload, "device", "none")))
+    if offload is not None and device != "none":
+        raise refuse("optimizer_offload", f"zero_optimization.offload_optimizer.device = {device!r}")
+    if getattr(ds.zero_config, "zenflow", None) is not None:
+        raise refuse("zenflow", "zero_optimization.zenflow is set")
+    if getattr(ds, "hybrid_engine", None) is not None and ds.hybrid_engine.enabled:
+        raise refuse("hybrid_engine", "hybrid_engine.enabled = true")
+
+
+def check_lockstep(acco, collective: str) -> None:
+    """Refuses per-rank phase lengths ('dynamic', 'shared') where every micro-batch's forward or
+    backward runs collectives with other ranks (``collective`` says which): those pair by issue
+    order, so a rank that computes one micro-batch more than its peers would pair its collectives
+    with theirs of another phase (a hang, or weights gathered from different phases' sources)."""
+    if _per_rank_phases(acco):
+        raise refuse("lockstep", f"acco.accumulation = {acco.accumulation!r} with {collective}")
+
+
+def check_layout(acco, layout: ParallelLayout) -> None:
+    """Raise the first :data:`LAYOUT_REFUSALS` row that applies to an enabled ``acco`` under
+    ``layout`` (a ``ValueError`` with the setting found, the reason and the fix)."""
+    if not acco.enabled:
+        return
+    for row in LAYOUT_REFUSALS:
+        found = row.found_in(acco, layout)
+        if found:
+            raise row.refuse(found, accumulation=acco.accumulation)
+
+
+def caller_boundary_refusal(accumulation: str) -> str:
+    """The refusal of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
+    return under_caller_boundary(accumulation).args[0]
+
+
+def under_caller_boundary(accumulation: str) -> ValueError:
+    """The error of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
+    return refuse("per_rank_phases_caller_boundary",
+                  f"acco.accumulation = {accumulation!r} with a caller that sets the accumulation boundary and calls "
+                  "step() once per iteration (Megatron-DeepSpeed's train_step)", accumulation=accumulation)
+
+
+def under_accelerate(accumulation: str) -> ValueError:
+    """The error of ``accumulation`` (dynamic / shared) under Accelerate / HF Trainer."""
+    return refuse("per_rank_phases_accelerate",
+                  f"acco.accumulation = {accumulation!r} under Accelerate / HF Trainer", accumulation=accumulation)
+
+
+def check_estimate_variant(estimate, shard_optimizer) -> None:
+    """The estimate variants that read Adam's second moment need an optimizer that has one and a
+    functional step (torch Adam / AdamW): refuse any other, naming the key and the fix."""
+    needs = [f"second_moment = {estimate.second_moment!r}"] if estimate.second_moment == "committed" else []
+    if estimate.delay_compensation:
+        needs.append(f"delay_compensation = {estimate.delay_compensation!r}")
+    if needs and not shard_optimizer.committed_second_moment:
+        raise refuse("estimate_variant_optimizer", f"acco.estimate.{' and '.join(needs)}",
+                     optimizer=type(shard_optimizer.optimizer).__name__)
+
+
+def check_estimate_dtype(key: str, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],
+                         comm_dtype: torch.dtype) -> None:
+    """An estimate round narrower than (or as wide as) the rounds' communication dtype; ``key``: the
+    adapter's row (its fix names its own setting)."""
+    if estimate_dtype is not None and estimate_dtype.itemsize > comm_dtype.itemsize:
+        raise refuse(key, f"acco.estimate_comm_dtype = {estimate_comm_dtype!r}", comm_dtype=comm_dtype)
+
+
+def check_fsdp_model(*, one_mesh: bool, reduce_dtypes: Iterable[torch.dtype], param_dtypes: Iterable[torch.dtype],
+                     loss_scaling: bool, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],
+                     post_forward_mesh: bool = False) -> None:
+    """What ``AccoFSDP`` took over: whether every parameter is on one device mesh, the parameters'
+    reduce and compute dtypes, whether the config asks for fp16 loss scaling, the estimate round's
+    dtype, and (``sharded_params``) whether a parameter reshards after forward to a smaller mesh."""
+    if not one_mesh:
+        raise refuse("fsdp_mesh")
+    accum, live = set(reduce_dtypes), set(param_dtypes)
+    if len(accum) != 1 or len(live) != 1:
+        raise refuse("fsdp_mixed_precision")
+    accum_dtype, live_dtype = accum.pop(), live.pop()
+    if loss_scaling and (live_dtype != torch.float16 or accum_dtype != torch.float32):
+        raise refuse("fsdp_fp16_dtypes", f"fp16.enabled = true, but the model computes in {live_dtype} and reduces in "
+                                         f"{accum_dtype}")
+    if not loss_scaling and live_dtype == torch.float16:
+        raise refuse("fsdp_fp16_unscaled", "the model computes in float16 (MixedPrecisionPolicy param_dtype) without "
+                                           "loss scaling")
+    check_estimate_dtype("estimate_dtype_fsdp", estimate_comm_dtype, estimate_dtype, accum_dtype)
+    if post_forward_mesh:
+        raise refuse("fsdp_post_forward_mesh", "AccoFSDP(sharded_params=True) with an integer reshard_after_forward "
+                                               "(a post-forward mesh)")
+
+
+def one_hardware_queue(device: torch.device) -> bool:
+    """Whether ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's launch scripts export it) gives this
+    accelerator one hardware queue, shared by every stream."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    return device.type != "cpu" and value.isdigit() and int(value) == 1
+
+
+def one_queue_serialisation(device: torch.device, synchronous: bool) -> Optional[str]:
+    """Why the rounds must run synchronously here, or None (docs/collective_order.md).
+
+    With one hardware queue, a round's collectives (the lane's communicator, launched from the
+    lane's thread) and a collective the compute side launches on another communicator while the
+    round is in flight (a tensor-parallel all-reduce, FSDP's all-gather, a loss averaged for
+    logging) sit in one FIFO in an order that differs from rank to rank; each waits at the head of
+    the queue for a kernel queued behind the other on its peer: a deadlock across ranks. Run
+    synchronously, every rank launches the rounds' collectives from the compute thread in program
+    order. The caller makes the rounds synchronous and warns with this text."""
+    if synchronous or not one_hardware_queue(device):
+        return None
+    return REFUSALS["one_hardware_queue"].message(
+        "ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's launch scripts export it) gives the device one hardware "
+        "queue")

@@ -1,0 +1,62 @@
+"""The driver's host for DeepSpeed: what the engine and its ZeRO-1 optimizer give the core (core/host.py)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from deepspeed.utils import logger
+
+from ..core.buffers import BufferGroup
+from ..core.host import forwarded
+
+
+class DeepSpeedHost:
+    """:class:`~ds_acco.core.host.Host` over an :class:`~ds_acco.deepspeed.engine.AccoEngine` and the
+    :class:`~ds_acco.deepspeed.optimizer.AccoZeroOptimizer` it is building: the step counters are
+    the engine's, the scheduler is the engine's (read when used: it is set after the optimizer),
+    the loss scaler is the optimizer's (DeepSpeed's)."""
+
+    framework = "DeepSpeed ZeRO-1"
+
+    def __init__(self, engine, zero_optimizer, groups: Sequence[BufferGroup], gradient_accumulation_steps: int,
+                 accelerator: Any, model_parallel_group: Any = None):
+        self.engine, self.zero_optimizer = engine, zero_optimizer
+        self.groups = groups
+        self.optimizer = zero_optimizer.optimizer
+        self.process_group = zero_optimizer.dp_process_group
+        self.model_parallel_group = model_parallel_group
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.clip_grad = zero_optimizer.clip_grad
+        self.device = groups[0].live.device
+        self.accelerator = accelerator
+
+    global_steps = forwarded("engine", "global_steps")
+    skipped_steps = forwarded("engine", "skipped_steps")
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_samples
+
+    @property
+    def monitor(self) -> Any:
+        return getattr(self.engine, "monitor", None)
+
+    def loss_scale(self) -> Optional[float]:
+        return self.zero_optimizer.loss_scale
+
+    def update_loss_scale(self, skipped: bool) -> Optional[float]:
+        return self.zero_optimizer._acco_update_loss_scale(skipped)
+
+    def lr_scheduler(self) -> Any:
+        return self.engine.lr_scheduler
+
+    def step_lr_scheduler(self) -> Optional[Callable[[], Any]]:
+        return self.engine._acco_step_lr_scheduler()
+
+    def after_commit(self, result, record: dict) -> None:
+        self.zero_optimizer._after_commit(result, record)
+
+    def log(self, line: str) -> None:
+        logger.info(line)
+
+    def announce(self, line: str) -> None:
+        logger.warning(line)  # DeepSpeed's logger shows WARNING and above by default

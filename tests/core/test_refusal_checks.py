@@ -1,0 +1,63 @@
+"""The checks of core/refusals.py that the adapters call with what they built, fed plain values:
+FSDP2's parameters (dtypes, meshes), the estimate variants against a real torch optimizer, an estimate
+round wider than the rounds' dtype. Each refusal is asserted by its row's key; the adapters' own
+wiring is exercised by tests/fsdp and tests/deepspeed."""
+import pytest
+import torch
+
+from ds_acco.config import AccoConfig
+from ds_acco.core.refusals import check_estimate_dtype, check_estimate_variant, check_fsdp_model
+from ds_acco.core.shard_optimizer import ShardOptimizer
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+FINE = dict(one_mesh=True, reduce_dtypes=[F32, F32], param_dtypes=[BF16, BF16], loss_scaling=False,
+            estimate_comm_dtype=None, estimate_dtype=None, post_forward_mesh=False)
+
+
+@pytest.mark.parametrize("change, key", [
+    (dict(one_mesh=False), "fsdp_mesh"),
+    (dict(param_dtypes=[BF16, F32]), "fsdp_mixed_precision"),
+    (dict(reduce_dtypes=[F32, BF16]), "fsdp_mixed_precision"),
+    (dict(loss_scaling=True), "fsdp_fp16_dtypes"),  # bf16 compute
+    (dict(loss_scaling=True, param_dtypes=[F16, F16], reduce_dtypes=[F16, F16]), "fsdp_fp16_dtypes"),
+    (dict(param_dtypes=[F16, F16]), "fsdp_fp16_unscaled"),
+    (dict(reduce_dtypes=[BF16, BF16], estimate_comm_dtype="fp32", estimate_dtype=F32), "estimate_dtype_fsdp"),
+    (dict(post_forward_mesh=True), "fsdp_post_forward_mesh"),
+])
+def test_what_accofsdp_took_over_is_refused_by_its_row(change, key):
+    with pytest.raises(ValueError) as caught:
+        check_fsdp_model(**{**FINE, **change})
+    assert caught.value.refusal == key and "fix:" in str(caught.value)
+
+
+@pytest.mark.parametrize("change", [
+    {}, dict(loss_scaling=True, param_dtypes=[F16, F16]), dict(estimate_comm_dtype="bf16", estimate_dtype=BF16),
+    dict(reduce_dtypes=[BF16, BF16], estimate_comm_dtype="fp16", estimate_dtype=F16)])
+def test_what_accofsdp_supports_passes(change):
+    check_fsdp_model(**{**FINE, **change})
+
+
+def _shard_optimizer(make):
+    p = torch.nn.Parameter(torch.zeros(4))
+    return ShardOptimizer(make([p]), [p])
+
+
+@pytest.mark.parametrize("estimate", [{"second_moment": "committed"}, {"delay_compensation": 0.5}])
+def test_estimates_reading_the_committed_second_moment_need_torch_adam(estimate):
+    config = AccoConfig(enabled=True, estimate=estimate)
+    check_estimate_variant(config.estimate, _shard_optimizer(lambda ps: torch.optim.AdamW(ps, lr=0.1)))
+    with pytest.raises(ValueError) as caught:
+        check_estimate_variant(config.estimate, _shard_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    assert caught.value.refusal == "estimate_variant_optimizer" and "which SGD (with these settings)" in str(
+        caught.value)
+    check_estimate_variant(AccoConfig(enabled=True).estimate, _shard_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1)))
+
+
+def test_an_estimate_round_wider_than_the_rounds_is_refused():
+    check_estimate_dtype("estimate_dtype_deepspeed", "bf16", BF16, BF16)
+    check_estimate_dtype("estimate_dtype_deepspeed", None, None, BF16)
+    with pytest.raises(ValueError) as caught:
+        check_estimate_dtype("estimate_dtype_deepspeed", "fp32", F32, BF16)
+    assert caught.value.refusal == "estimate_dtype_deepspeed"
+    assert str(caught.value).startswith("acco.estimate_comm_dtype = 'fp32' is wider than the communication dtype "
+                                        "torch.bfloat16; fix:")
