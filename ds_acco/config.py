@@ -76,8 +76,8 @@ class EstimateConfig(BaseModel):
     lr_scale: float = Field(
         DEFAULT_LR_SCALE, gt=0, le=8, description="The estimate's optimizer step uses the learning rate times "
         "this (its weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is "
-        "computed further along the update (a look-ahead). Default 2: held-out loss below stock's in every "
-        "setting measured, where the paper's estimate trails it by 0.2-1.4%.")
+        "computed further along the update (a look-ahead). Default 2: median held-out loss below stock's in "
+        "every setting measured, where the paper's estimate trails it by up to 3.1% (docs/estimate.md).")
     second_moment: Literal["update", "committed"] = Field(
         "update", description="Adam's second moment in the estimate: 'update' it with the half-batch gradient "
         "(the paper), or reuse the 'committed' one (bias-corrected for the committed steps).")
