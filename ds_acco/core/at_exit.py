@@ -83,14 +83,30 @@ def rearm_sigint_exit() -> None:
         pass
 
 
-def destroy_group(*pgs) -> None:
-    """Local, no collective. Safe beside the main thread building the next engine's group:
-    torch's registry of groups is plain dicts, changed key by key under the GIL. Not beside a
-    concurrent ``destroy_process_group()`` of the whole world: destroy() engines before that."""
-    for pg in pgs:
+def end_groups(groups: list) -> None:
+    """Destroy the process groups in ``groups`` (a list only the caller holds; emptied here) and drop
+    the last references to them, so torch ends their backend now: a gloo group's destructor joins its
+    worker threads. Local, no collective.
+
+    Why now and not at interpreter exit: a gloo worker thread that still holds a finished round's
+    work drops it after the waiting thread moved on, and if that work holds the last reference to a
+    tensor whose Python object Python already let go (a view, a counts table), torch then takes the
+    GIL on that C++ thread to free it. When that happens as the interpreter finalises, Python 3.11
+    ends the thread with ``pthread_exit`` inside a ``noexcept`` destructor and the C++ runtime aborts
+    the process: ``terminate called without an active exception`` (SIGABRT) after a script that
+    ended well (issue 33 item 8; torch's own account: pytorch/pytorch#190489). A group destroyed here,
+    while the interpreter is whole, has no such thread left.
+
+    Safe beside the main thread building the next engine's group: torch's registry of groups is
+    plain dicts, changed key by key under the GIL. Not beside a concurrent
+    ``destroy_process_group()`` of the whole world: destroy() engines before that. Groups created by
+    their members alone are kept until the process ends (``comm/groups.py``)."""
+    while groups:
+        pg = groups.pop()
         if pg is None or not dist.is_initialized() or not destroyable(pg):
             continue
         try:
             dist.destroy_process_group(pg)
         except Exception:  # already gone (the default group was destroyed first): nothing to free
             pass
+        del pg  # the last reference: the group's destructor runs here (torch releases the GIL for it)

@@ -35,7 +35,7 @@ from ..comm import collectives
 from ..comm.groups import new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
-from .at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, destroy_group
+from .at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, end_groups
 from .host import Host
 from .lr_bookkeeping import LRBookkeeping
 from .metrics import StepMetrics, format_line, scalar_items
@@ -343,23 +343,32 @@ class AccoDriver:
         atexit.unregister(self._at_exit)
         self.schedule.abandon()
         self._uninstall_sigterm()
-        pg, self.process_group = self.process_group, None
-        ng, self.norm_group = self.norm_group, None
+        groups = [self.process_group, self.norm_group]  # held by nothing else once the lane lets go
+        self.process_group = self.norm_group = None
         local = False
         try:
-            local = pg is not None and dist.is_initialized() and dist.get_backend(pg) == "gloo"
+            local = groups[0] is not None and dist.is_initialized() and dist.get_backend(groups[0]) == "gloo"
         except (ValueError, RuntimeError):  # the group is gone already (the default group was replaced)
             pass
         finally:
-            self.lane.stop_nowait(then=(lambda: destroy_group(pg, ng)) if local else None)
+            context = self.schedule.context
+
+            def end_after_last_round() -> None:  # on the lane's thread, after the rounds already queued
+                context.process_group = context.norm_group = None
+                end_groups(groups)
+
+            self.lane.stop_nowait(then=end_after_last_round if local else None)
             ABANDONED_LANES.add(self.lane)
 
     def _release_process_group(self) -> None:
         """Give the rounds' process group back (local: no collective, so it is safe from a
         finaliser or the garbage collector at any point of another engine's life). Kept while
         the lane's thread is still inside a round (a dead peer): it would use a destroyed group."""
-        pg, self.process_group = self.process_group, None
-        ng, self.norm_group = self.norm_group, None
-        if pg is None or not dist.is_initialized() or self.lane.stuck:
+        groups = [self.process_group, self.norm_group]
+        self.process_group = self.norm_group = None
+        if groups[0] is None or not dist.is_initialized() or self.lane.stuck:
             return
-        destroy_group(pg, ng)
+        # The rounds' context is the other holder: the lane is joined, so no round reads it again.
+        context = self.schedule.context
+        context.process_group = context.norm_group = None
+        end_groups(groups)  # their gloo worker threads end here (at_exit.end_groups)

@@ -305,3 +305,28 @@ def destroy_after_failed_round(case):
             "sigterm_restored": signal.getsignal(signal.SIGTERM) is before,
             "warning_checked": checked, "warnings_logged": [m for lvl, m in logged if lvl == "WARNING"],
             "lane_synchronous": lane_synchronous}
+
+
+def native_threads() -> int:
+    """This process's OS threads (Python's and those C++ libraries start: gloo's workers, ...)."""
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+def threads_after_destroy(case, use_ds_acco=True):
+    """Native thread counts: before the engine, after training, after destroy(); the rounds' group's
+    gloo worker threads must be gone after destroy() (at_exit.end_groups)."""
+    import gc
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    if not dist.is_initialized():
+        import deepspeed
+        deepspeed.init_distributed(get_accelerator().communication_backend_name())
+    dist.barrier()
+    before = native_threads()
+    engine = _engine_for(case, use_ds_acco)
+    _feed(engine, dist.get_rank(), 0, 10)
+    trained = native_threads()
+    engine.destroy()
+    gc.collect()
+    return {"before": before, "trained": trained, "destroyed": native_threads()}

@@ -18,3 +18,17 @@ def test_destroy_runs_deepspeeds_destroy_when_the_drain_raises():
         assert r["warning_checked"] == [("cpu", False)]  # the driver's device and acco.synchronous
         assert r["lane_synchronous"] is True  # serialised: the check said the rounds must not overlap
     assert r0["warnings_logged"] == ["CONNECTIONS WARNING"] and r1["warnings_logged"] == []
+
+
+def test_destroy_ends_every_thread_acco_started():
+    """After destroy(), the process has as many OS threads as after stock's: the lane and the
+    rounds' group's gloo workers are gone. Left alive, such a worker may take the GIL while the
+    interpreter finalises and abort a script that ended well (issue 33 item 8). Mutation: keep the
+    rounds' context's reference to the group (at_exit.end_groups then only unregisters it): 3 more
+    threads after destroy()."""
+    case = {"optimizer": "adamw", "gas": 4}
+    stock = run_ranks(lifecycle_workers.threads_after_destroy, case={**case, "acco": None}, use_ds_acco=False)
+    acco = run_ranks(lifecycle_workers.threads_after_destroy, case={**case, "acco": {"enabled": True}})
+    for s, a in zip(stock, acco):
+        assert a["trained"] > s["trained"], (s, a)  # the lane and its group were running
+        assert a["destroyed"] == s["destroyed"], (s, a)

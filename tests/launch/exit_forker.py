@@ -15,6 +15,7 @@ a rendezvous store the test process has bound).
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import glob
 import json
@@ -49,8 +50,20 @@ INTERRUPT_AT = 5  # mid-phase, a round in flight
 COLLECTED_PEER_DELAY_S = 1.5
 
 
+def _report_threads_at_exit() -> None:
+    """The OS threads alive as the interpreter finalises (after the engine's own at-exit hook, and
+    after the wait for abandoned lanes, run here instead of right after): the test compares them with
+    stock's. A thread ACCO started that outlives its exit hook -- the lane, or its group's gloo workers
+    -- may still take the GIL while the interpreter finalises, and that aborts the process now and then
+    (``at_exit.end_groups``)."""
+    from ds_acco.core.at_exit import join_abandoned_lanes
+    join_abandoned_lanes()
+    print(f"threads at exit {len(os.listdir('/proc/self/task'))}", flush=True)
+
+
 def run_case(case: dict, rank: int) -> None:
     torch.set_num_threads(1)
+    atexit.register(_report_threads_at_exit)  # before the engine's hook: it runs after it
     ending = case["ending"]
     if case["adapter"] == "deepspeed":
         model = TinyNet(seed=0)
