@@ -70,32 +70,8 @@ def address_in_use(output: str) -> bool:
     return any(tag in low for tag in _ADDRESS_IN_USE)
 
 
-# A known, open defect (issue 33, item 8): now and then a real 2-rank launch (torchrun / deepspeed, where
-# DeepSpeed's CPU shm comm op is active) ends with rank 0 printing this at interpreter exit, after its
-# script finished (seen in 1 of ~30 suite runs); the forked exit cases of tests/integration/test_exit.py,
-# which check the exit itself, never showed it in 700 runs. A launch test (which checks routing and
-# training, not the exit) is run once more on that exact signature, with a warning in the test summary.
-KNOWN_EXIT_ABORT = "terminate called without an active exception"
-
-
 def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
-    """Output of ``proc`` (a session leader); on timeout kill its whole process group. A process
-    started with a ``relaunch`` attribute (tests/integration/test_launchers.py's ``start``) that
-    failed with :data:`KNOWN_EXIT_ABORT` in its output is run once more (warned); any other failure,
-    and a second abort, are returned as they are."""
-    out, timed_out = _communicate(proc, timeout)
-    relaunch = getattr(proc, "relaunch", None)
-    if relaunch is not None and not timed_out and proc.returncode != 0 and KNOWN_EXIT_ABORT in out:
-        import warnings
-        warnings.warn(f"known exit abort (issue 33 item 8, open) in {' '.join(map(str, proc.args))[:200]}: "
-                      f"run once more", stacklevel=2)
-        again = relaunch()
-        out, timed_out = _communicate(again, timeout)
-        proc.returncode = again.returncode
-    return out, timed_out
-
-
-def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
+    """Output of ``proc`` (a session leader); on timeout kill its whole process group."""
     try:
         out, _ = proc.communicate(timeout=timeout)
         return out, False

@@ -90,10 +90,8 @@ def tail(text: str, lines: int = 60) -> str:
 
 def start(cmd: list[str], env: dict) -> subprocess.Popen:
     """``cmd`` in the repository as a session leader (so a timeout kills every rank), output merged."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    proc.relaunch = lambda: start(cmd, env)  # tests/dist.py: once more on the known exit abort only
-    return proc
 
 
 def run_job(label: str, cmd: list[str], env: dict) -> dict:
