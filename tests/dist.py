@@ -64,6 +64,19 @@ def rendezvous_store(world: int) -> Iterator[dict]:
         del store
 
 
+def settled_thread_count() -> int:
+    """This process's OS threads (Python's and those C++ libraries start, e.g. a gloo group's
+    workers), counted once three samples 15 ms apart agree (at most ~2 s): a joined Python thread
+    leaves Python before its OS thread has finished exiting, under load some ms later."""
+    samples = [len(os.listdir("/proc/self/task"))]
+    for _ in range(130):
+        if len(samples) >= 3 and samples[-1] == samples[-2] == samples[-3]:
+            break
+        time.sleep(0.015)
+        samples.append(len(os.listdir("/proc/self/task")))
+    return samples[-1]
+
+
 def address_in_use(output: str) -> bool:
     """Whether a launch's output says a rank could not bind its address."""
     low = output.lower()

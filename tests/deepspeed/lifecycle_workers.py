@@ -3,6 +3,7 @@ holds the training runs)."""
 from __future__ import annotations
 
 import ds_acco
+from dist import settled_thread_count
 from fixtures import TinyNet, WideNet, batch, ds_config, make_optimizer, make_scheduler
 from workers import snapshot
 
@@ -307,12 +308,6 @@ def destroy_after_failed_round(case):
             "lane_synchronous": lane_synchronous}
 
 
-def native_threads() -> int:
-    """This process's OS threads (Python's and those C++ libraries start: gloo's workers, ...)."""
-    import os
-    return len(os.listdir("/proc/self/task"))
-
-
 def threads_after_destroy(case, use_ds_acco=True):
     """Native thread counts: before the engine, after training, after destroy(); the rounds' group's
     gloo worker threads must be gone after destroy() (at_exit.end_groups)."""
@@ -323,10 +318,10 @@ def threads_after_destroy(case, use_ds_acco=True):
         import deepspeed
         deepspeed.init_distributed(get_accelerator().communication_backend_name())
     dist.barrier()
-    before = native_threads()
+    before = settled_thread_count()
     engine = _engine_for(case, use_ds_acco)
     _feed(engine, dist.get_rank(), 0, 10)
-    trained = native_threads()
+    trained = settled_thread_count()
     engine.destroy()
     gc.collect()
-    return {"before": before, "trained": trained, "destroyed": native_threads()}
+    return {"before": before, "trained": trained, "destroyed": settled_thread_count()}

@@ -36,6 +36,7 @@ import rank_preload  # noqa: E402,F401  (what run_ranks' fork server imports: De
 import ds_acco  # noqa: E402
 import ds_acco.deepspeed.engine  # noqa: E402,F401
 import ds_acco.fsdp  # noqa: E402,F401
+from dist import settled_thread_count  # noqa: E402
 from fixtures import TinyNet, batch, ds_config, make_optimizer  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
@@ -58,7 +59,7 @@ def _report_threads_at_exit() -> None:
     (``at_exit.end_groups``)."""
     from ds_acco.core.at_exit import join_abandoned_lanes
     join_abandoned_lanes()
-    print(f"threads at exit {len(os.listdir('/proc/self/task'))}", flush=True)
+    print(f"threads at exit {settled_thread_count()}", flush=True)
 
 
 def run_case(case: dict, rank: int) -> None:
