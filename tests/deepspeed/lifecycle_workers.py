@@ -166,7 +166,7 @@ def soak(case, micro_batches, sample_every):
                 "rss_mb": rss / 2**20,
                 "threads": threading.active_count(),
                 "os_threads": len(os.listdir("/proc/self/task")),
-                "inflight": int(schedule._inflight is not None),
+                "inflight": int(schedule.inflight is not None),
                 "lane_queue": schedule.lane._queue.qsize(),
                 "history": len(schedule.history),
                 "metrics_records": len(engine.optimizer.driver.metrics.records),
