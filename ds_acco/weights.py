@@ -42,7 +42,7 @@ class ExportHooks:
     """Every ``state_dict()`` of ``module`` (or of any module inside it) reads the committed θ.
 
     A state-dict pre-hook on each module holds θ in the live weights (see
-    :meth:`~ds_acco.core.committed.CommittedWeights.hold_committed_weights`). While θ is held, a
+    :meth:`~ds_acco.core.committed.CommittedWeights.hold`). While θ is held, a
     global forward pre-hook waits for the next forward of one of the model's modules that may be
     training (training mode, or autograd recording) and puts the live weights back before it runs;
     the schedule itself does so at the next backward or ``step()``. So an export costs two in-place

@@ -1,4 +1,4 @@
-"""The committed weights θ in the model, as a part of :class:`.schedule.AccoSchedule`.
+"""The committed weights θ in the model: a part :class:`.schedule.AccoSchedule` holds.
 
 Between micro-batches the live weights are whatever the compute lane runs on next: after the swap
 that launches a commit round, the estimate θ̃ (mode acco) or the previous θ (dpu), while θ itself
@@ -14,9 +14,12 @@ place (no copy, nothing allocated on the lane):
 from __future__ import annotations
 
 import contextlib
+from typing import ContextManager, Optional, Protocol, Sequence
 
+from .buffers import BufferGroup
+from .inflight import InFlight
 from .phases import RoundKind
-from .schedule_state import _InFlight
+from .rounds import RoundResult
 
 
 class RoundInFlightError(RuntimeError):
@@ -24,7 +27,7 @@ class RoundInFlightError(RuntimeError):
     committed weights is still running: it needs peers that may launch it only later."""
 
 
-def _in_flight_message(inflight: _InFlight) -> str:
+def _in_flight_message(inflight: InFlight) -> str:
     return (f"ACCO dynamic accumulation: the model's weights were read for an export (state_dict(), "
             f"save_pretrained, save_16bit_model, ...) while this rank's {inflight.kind.value} round of step "
             f"{inflight.step} is still running; the committed weights need every rank to finish it, and in dynamic "
@@ -34,14 +37,47 @@ def _in_flight_message(inflight: _InFlight) -> str:
             "engine.destroy() / acco.close()")
 
 
-class CommittedWeights:
-    """``committed_weights`` and holds, mixed into :class:`.schedule.AccoSchedule` (it reads the
-    schedule's round in flight, lane and drains, and exchanges its groups' live weights and B)."""
+class Rounds(Protocol):
+    """What the committed weights need of the schedule (its public names)."""
 
-    def _init_committed_weights(self) -> None:
+    @property
+    def inflight(self) -> Optional[InFlight]: ...  # the round launched and not yet swapped in
+
+    @property
+    def agrees_drains(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def drain(self) -> Optional[RoundResult]: ...
+
+    def wait_for(self, inflight: InFlight) -> RoundResult: ...
+
+    def off_the_clock(self) -> ContextManager[None]: ...
+
+
+class CommittedWeights:
+    """``committed_weights()`` and holds: owns whether the live weights and B are exchanged.
+
+    Args:
+        groups: the buffer groups whose live weights and B it exchanges.
+        rounds: the schedule, through :class:`Rounds` (its round in flight, drains and waits).
+        shard_optimizer: read at each hold: an estimate round of an optimizer without a functional
+            estimate steps the master shards in place, so a hold with ``settle_shards`` waits for it.
+    """
+
+    def __init__(self, groups: Sequence[BufferGroup], rounds: Rounds, shard_optimizer):
+        self.groups = list(groups)
+        self.rounds = rounds
+        self.shard_optimizer = shard_optimizer
         self._swapped = False  # live and gathered exchanged: inside committed_weights, or held
-        self._held = False  # the exchange is a hold (hold_committed_weights), undone by the next micro-batch
+        self._held = False  # the exchange is a hold (hold), undone by the next micro-batch
         self._pinned = 0  # committed_weights() blocks entered while held: no release inside them
+
+    @property
+    def swapped(self) -> bool:
+        """Whether the live weights hold θ and B what the compute lane runs on (in a block, or held)."""
+        return self._swapped
 
     @contextlib.contextmanager
     def committed_weights(self):
@@ -50,15 +86,16 @@ class CommittedWeights:
         A commit round in flight is waited for (its θ is the newest); an estimate round is not:
         the live weights already are the committed θ_t and the round may go on. Collective in
         dynamic mode (an agreed drain): every rank enters it at the same micro-batch count. Held
-        already (:meth:`hold_committed_weights`): θ stays in place after the block too.
+        already (:meth:`hold`): θ stays in place after the block too.
         """
-        with self._off_the_clock(), self._swapped_to_committed():  # an evaluation is not micro-batch compute
+        with self.rounds.off_the_clock(), self._swapped_to_committed():  # an evaluation is not micro-batch compute
             yield
 
     @contextlib.contextmanager
     def _swapped_to_committed(self):
-        if self.agrees_drains:
-            self.drain()  # on every rank, whatever the kind in flight: drains must pair up
+        rounds = self.rounds
+        if rounds.agrees_drains:
+            rounds.drain()  # on every rank, whatever the kind in flight: drains must pair up
         if self._swapped:  # held: θ is in place; nothing releases it inside the block, the hold resumes after
             self._pinned += 1
             try:
@@ -66,11 +103,11 @@ class CommittedWeights:
             finally:
                 self._pinned -= 1
             return
-        inflight = self._inflight
+        inflight = rounds.inflight
         swap = inflight is not None and inflight.kind is RoundKind.COMMIT
         if swap:  # B holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu)
-            if not self.agrees_drains:
-                self.drain()
+            if not rounds.agrees_drains:
+                rounds.drain()
             self._swap_live_and_gathered()
         try:
             yield
@@ -78,12 +115,12 @@ class CommittedWeights:
             if swap:
                 self._swap_live_and_gathered()
 
-    def hold_committed_weights(self, agreed: bool = False, settle_shards: bool = False) -> None:
+    def hold(self, agreed: bool = False, settle_shards: bool = False) -> None:
         """Put the newest committed θ into the live weights and leave it there until the compute
-        lane's next micro-batch (:meth:`release_committed_weights`, which every call of the
-        micro-batch protocol makes first), or for good once closed: an export (``state_dict()``)
-        or an evaluation outside a ``with committed_weights()`` block. Exchanges live weights and
-        B in place (no copy); nothing changes inside a ``committed_weights()`` block or when held.
+        lane's next micro-batch (:meth:`release`, which every call of the micro-batch protocol
+        makes first), or for good once closed: an export (``state_dict()``) or an evaluation
+        outside a ``with committed_weights()`` block. Exchanges live weights and B in place (no
+        copy); nothing changes inside a ``committed_weights()`` block or when held.
 
         Without ``agreed`` this is no collective and waits for nothing a peer has yet to do, so
         one rank alone may call it (an export on rank 0): fixed mode waits for the commit round
@@ -97,36 +134,42 @@ class CommittedWeights:
         """
         if self._swapped:
             return
-        with self._off_the_clock():
-            if agreed and self.agrees_drains:
-                self.drain()
-            inflight = self._inflight
+        rounds = self.rounds
+        with rounds.off_the_clock():
+            if agreed and rounds.agrees_drains:
+                rounds.drain()
+            inflight = rounds.inflight
             if inflight is None:
                 return  # bootstrap, or everything collected: the live weights are θ
             estimate = inflight.kind is RoundKind.ESTIMATE
-            if estimate and not (settle_shards and not self.context.shard_optimizer.functional):
+            if estimate and not (settle_shards and not self.shard_optimizer.functional):
                 return  # the live weights are the committed θ_t the round started from
-            if self.agrees_drains and inflight.result is None and not inflight.handle.done():
+            if rounds.agrees_drains and inflight.result is None and not inflight.handle.done():
                 raise RoundInFlightError(_in_flight_message(inflight))
-            self._wait(inflight)
+            rounds.wait_for(inflight)
             if estimate:
                 return
             self._swap_live_and_gathered()
             self._held = True
 
-    def release_committed_weights(self) -> None:
-        """Undo :meth:`hold_committed_weights`: the live weights the schedule runs on are back,
-        bit for bit. No-op when nothing is held, inside a ``committed_weights()`` block (even one
-        entered while held), and once closed (a closed schedule leaves θ in the model)."""
-        if self._held and not self._closed and not self._pinned:
+    def release(self) -> None:
+        """Undo :meth:`hold`: the live weights the schedule runs on are back, bit for bit. No-op
+        when nothing is held, inside a ``committed_weights()`` block (even one entered while held),
+        and once closed (a closed schedule leaves θ in the model)."""
+        if self._held and not self.rounds.closed and not self._pinned:
             self._swap_live_and_gathered()
             self._held = False
 
     @property
-    def holds_committed_weights(self) -> bool:
-        """Whether :meth:`hold_committed_weights` left θ in the live weights until the next micro-batch
-        (False once closed: then θ stays for good)."""
-        return self._held and not self._closed
+    def holds(self) -> bool:
+        """Whether :meth:`hold` left θ in the live weights until the next micro-batch (False once
+        closed: then θ stays for good)."""
+        return self._held and not self.rounds.closed
+
+    def forget(self) -> None:
+        """End an exchange without undoing it: the caller overwrites the live weights and B (a
+        load) or takes them as they are (a reset: θ, if held)."""
+        self._swapped = self._held = False
 
     def _swap_live_and_gathered(self) -> None:
         for g in self.groups:

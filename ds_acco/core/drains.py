@@ -1,4 +1,4 @@
-"""Drains that agree across ranks: dynamic mode's protocol, as a part of :class:`.schedule.AccoSchedule`.
+"""Drains that agree across ranks: dynamic mode's protocol, a part :class:`.schedule.AccoSchedule` holds.
 
 Drains agree (ACCO.md, dynamic mode). Every round starts with the same small all-gather (the
 counts table), so the n-th table exchange on the rounds' group is a *slot* every rank fills once.
@@ -40,69 +40,129 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import ContextManager, Optional, Protocol, Union
 
 from torch.profiler import record_function
 
-from .phases import FixedPhases, SharedPhases, Tally
+from ..comm.lane import CommLane
+from .inflight import InFlight
+from .phases import DynamicPhases, FixedPhases, SharedPhases, Tally
+from .report import RoundReport
 from .report import DRAIN_ABORT
-from .rounds import DrainMismatchError, RoundResult, check_no_drain_abort, exchange_tallies
+from .rounds import DrainMismatchError, RoundContext, RoundResult, check_no_drain_abort, exchange_tallies
+
+
+class Schedule(Protocol):
+    """What the drain protocol reads and drives of the schedule (its public names)."""
+
+    rank: int
+    world: int
+    lane: CommLane
+    context: RoundContext
+    phases: Union[FixedPhases, DynamicPhases, SharedPhases]
+    micro_batches: int  # all micro-batches ever recorded
+    phase_tally: Tally  # the phase in progress
+    buffer_tally: Tally  # what G holds
+
+    @property
+    def inflight(self) -> Optional[InFlight]: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def wait_for(self, inflight: InFlight) -> RoundResult: ...
+
+    def end_phase(self, exchanged: Optional[tuple] = None, reason: Optional[str] = None) -> None: ...
+
+    def round_report(self, drain: int = 0) -> RoundReport: ...
+
+    def sync_accumulated_loss_scale(self) -> None: ...
+
+    def off_the_clock(self) -> ContextManager[None]: ...
 
 
 class DrainAgreement:
-    """The drain protocol above, mixed into :class:`.schedule.AccoSchedule` (it reads and moves
-    the schedule's round in flight, counts and lane; fixed phases skip it entirely)."""
+    """The drain protocol above, for one schedule: counts this rank's drains, probes slots, and ends
+    the schedule's phase early where a peer launched a round (fixed phases skip it entirely).
+
+    Args:
+        schedule: through :class:`Schedule` (its round in flight, counts, lane and phase end).
+    """
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.count = 0  # drain() calls so far: the j-th drain of every rank agrees (checkpointed)
+        self._warned_stretch = False
 
     @property
-    def agrees_drains(self) -> bool:
+    def agrees(self) -> bool:
         """Whether drains run the agreement protocol: whenever the ranks may stand at different phase
         positions -- dynamic phases, and shared phases once their shares have differed (not while
         every phase had equal shares: that is fixed mode, see the module docstring)."""
-        phases = self.phases
+        phases = self.schedule.phases
         if isinstance(phases, SharedPhases):
             return not phases.aligned
         return not isinstance(phases, FixedPhases)
 
-    def _peer_draining(self) -> bool:
-        """The collected round in flight carries some rank's flag for this rank's next drain."""
-        inflight = self._inflight
+    def peer_draining(self) -> bool:
+        """Whether the collected round in flight carries some rank's flag for this rank's next drain
+        (step 3: the phase stays open until this rank's drain)."""
+        inflight = self.schedule.inflight
         return (inflight is not None and inflight.result is not None
-                and _flagged(inflight.result, self.drains + 1))
+                and flagged(inflight.result, self.count + 1))
+
+    def keep_phase_open(self, why: Optional[str]) -> Optional[str]:
+        """Step 3 at a phase-end decision (``why`` the phase would end, None: it goes on): the phase
+        end collects the round in flight anyway, so collect it now; None (the phase goes on) if it
+        carries a peer's flag for this rank's next drain, else ``why``."""
+        s = self.schedule
+        inflight = s.inflight
+        if why is None or not self.agrees or inflight is None:
+            return why
+        inflight.wait_mark = inflight.wait_s  # the phase end still books this wait as its own
+        s.wait_for(inflight)
+        if not self.peer_draining():
+            return why
+        self.check_pair_up()
+        inflight.wait_mark = None
+        return None
 
     def _warn_if_share_stretched(self, drain_at: int) -> None:
         """Accumulation 'shared': a peer drained at a micro-batch count this rank reaches only after
         more than a whole phase of all ranks. The loop counts micro-batches per rank, not committed
         steps, so the phase held open until this rank's drain pools far more than stock's batch."""
-        total = self.phases.micro_batches * self.world if isinstance(self.phases, SharedPhases) else 0
-        if total and self.phase_tally.micro_batches >= total and not getattr(self, "_warned_stretch", False):
+        s = self.schedule
+        total = s.phases.micro_batches * s.world if isinstance(s.phases, SharedPhases) else 0
+        if total and s.phase_tally.micro_batches >= total and not self._warned_stretch:
             self._warned_stretch = True
             logging.getLogger("ds_acco").warning(
                 "ACCO accumulation 'shared': rank %d holds its phase open at %d micro-batches (its share: %d, all "
                 "ranks' per phase: %d) until its own drain at micro-batch %d, because a peer drained at that count. "
                 "Ranks of different speeds reach equal micro-batch counts at different steps: loop on "
                 "engine.global_steps and drain (evaluate, save) right after the step() that committed a step "
-                "(docs/ACCO.md, 'Drains and checkpoints').", self.rank, self.phase_tally.micro_batches,
-                self.phases.share, total, drain_at)
+                "(docs/ACCO.md, 'Drains and checkpoints').", s.rank, s.phase_tally.micro_batches,
+                s.phases.share, total, drain_at)
 
-    def _check_drains_pair_up(self) -> None:
+    def check_pair_up(self) -> None:
         """Step 4 of the protocol: raise on every rank if a peer's drain was missed here."""
-        if not (self.agrees_drains and self._peer_draining()):
+        if not (self.agrees and self.peer_draining()):
             return
-        flagged = {r: p for r, p in enumerate(self._inflight.result.peer_report) if p.drain == self.drains + 1}
-        at = max(p.drain_at for p in flagged.values())
-        if self.micro_batches < at:
+        s = self.schedule
+        drainers = {r: p for r, p in enumerate(s.inflight.result.peer_report) if p.drain == self.count + 1}
+        at = max(p.drain_at for p in drainers.values())
+        if s.micro_batches < at:
             self._warn_if_share_stretched(at)
             return  # this rank's own drain is still ahead (at micro-batch ``at``)
-        ranks = sorted(flagged)
+        ranks = sorted(drainers)
         message = (f"ACCO dynamic mode: rank(s) {ranks} drained (committed_weights, save_checkpoint, evaluation) "
-                   f"for the {self.drains + 1}th time after micro-batch {at}; this rank (rank {self.rank}) has "
-                   f"drained {self.drains} times and is at micro-batch {self.micro_batches}, so the ranks drained a "
+                   f"for the {self.count + 1}th time after micro-batch {at}; this rank (rank {s.rank}) has "
+                   f"drained {self.count} times and is at micro-batch {s.micro_batches}, so the ranks drained a "
                    "different number of times and cannot agree on which rounds to finish; fix: drain on every rank "
                    "at the same micro-batch count (not on rank 0 only, not on a per-rank condition)")
-        ctx, report = self.context, dataclasses.replace(self._report(0), drain=DRAIN_ABORT)
-        abort = self.lane.submit("drain mismatch", lambda: exchange_tallies(ctx, Tally(), report))
+        ctx, report = s.context, dataclasses.replace(s.round_report(0), drain=DRAIN_ABORT)
+        abort = s.lane.submit("drain mismatch", lambda: exchange_tallies(ctx, Tally(), report))
         try:
-            self.lane.wait(abort)  # the peer waits in this slot: it learns it there
+            s.lane.wait(abort)  # the peer waits in this slot: it learns it there
         except Exception:  # noqa: BLE001 -- a failing peer: the mismatch is still what this rank reports
             pass
         raise DrainMismatchError(message)
@@ -111,31 +171,33 @@ class DrainAgreement:
         """Wait for the round in flight (if any); a finished commit is booked as committed. In
         dynamic mode every rank's j-th drain finishes the same rounds (the protocol above): this
         rank may first end its phase early to join a round a peer launched."""
-        if not self.agrees_drains or self._closed:  # closed: the lane is gone (a second destroy())
-            return None if self._inflight is None else self._wait(self._inflight)
+        s = self.schedule
+        if not self.agrees or s.closed:  # closed: the lane is gone (a second destroy())
+            return None if s.inflight is None else s.wait_for(s.inflight)
         with record_function("ACCO::drain"):
-            self.drains += 1
-            drain = self.drains
-            inflight = self._inflight
+            self.count += 1
+            drain = self.count
+            inflight = s.inflight
             if inflight is not None:
-                self._wait(inflight)
-                if _flagged(inflight.result, drain):
+                s.wait_for(inflight)
+                if flagged(inflight.result, drain):
                     return inflight.result
             # Probe the next slot: the counts this rank would send, were its phase to end now.
-            self._sync_accumulated_loss_scale()
-            local = self.buffer_tally
-            report = self._report(drain)
-            ctx = self.context
-            probe = self.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
-            with self._off_the_clock():
-                per_rank, reports = self.lane.wait(probe)
+            s.sync_accumulated_loss_scale()
+            local = s.buffer_tally
+            report = s.round_report(drain)
+            ctx = s.context
+            probe = s.lane.submit(f"drain {drain} probe", lambda: exchange_tallies(ctx, local, report))
+            with s.off_the_clock():
+                per_rank, reports = s.lane.wait(probe)
             check_no_drain_abort(reports)
             if all(p.drain == drain for p in reports):
                 return None if inflight is None else inflight.result  # nobody launched a round there
-            self.end_phase(exchanged=(per_rank, reports), reason="drain")
-            return self._wait(self._inflight)
+            s.end_phase(exchanged=(per_rank, reports), reason="drain")
+            return s.wait_for(s.inflight)
 
 
-def _flagged(result: RoundResult, drain: int) -> bool:
+def flagged(result: RoundResult, drain: int) -> bool:
     """Whether some rank sent ``result``'s round as part of its drain number ``drain``."""
     return any(p.drain == drain for p in result.peer_report or ())
+

@@ -41,7 +41,7 @@ from .lr_bookkeeping import LRBookkeeping
 from .metrics import StepMetrics, format_line, scalar_items
 from .options import ScheduleOptions
 from .phases import FixedPhases, SharedPhases
-from .refusals import check_estimate_variant, one_queue_serialisation
+from .refusals import check_estimate_variant, one_queue_serialisation, refuse
 from .report import RoundReport
 from .rounds import RoundResult
 from .schedule import AccoSchedule
@@ -62,7 +62,7 @@ def check_same_on_all_ranks(settings: dict, what: str, group=None) -> None:
     dist.all_gather_object(every, mine, group=group)
     if len(set(every)) > 1:
         lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
-        raise ValueError(f"{what} differs between ranks: {lines}; fix: give every rank the same config")
+        raise refuse("ranks_differ", what, lines=lines)
 
 
 def check_weight(weighting: str, weight: Optional[float], call: str) -> float:

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
+from . import chunking
+from .buffers import BufferGroup
+from .delay_compensation import DelayCompensation
 from .phases import FixedPhases
+from .rounds import RoundContext
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,22 @@ class ScheduleOptions:
                    committed_second_moment=acco.estimate.second_moment == "committed",
                    delay_compensation=acco.estimate.delay_compensation,
                    sync_warmup_steps=acco.sync_warmup_steps)
+
+    def round_context(self, groups: Sequence[BufferGroup], shard_optimizer, *, process_group, norm_group, rank: int,
+                      world: int, reduce_scatter: bool, read_counts_first: bool) -> RoundContext:
+        """What these options make of every round of one schedule (see :class:`.schedule.AccoSchedule`'s
+        arguments); the rounds' window is the user's, or chosen for the device and the shard (chunking.py)."""
+        # D first: the window is chosen from the device memory left once D is allocated.
+        delay = DelayCompensation(groups, self.delay_compensation) if self.delay_compensation else None
+        device = groups[0].comm.device
+        chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems,
+                                              chunking.free_memory(device))
+        shard_optimizer.chunk_elems = chunk_elems
+        return RoundContext(
+            groups=groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,
+            rank=rank, world=world, gas_scale=self.gas_scale, clip_grad=self.clip_grad, nonfinite=self.nonfinite,
+            reduce_scatter=reduce_scatter, track_drift=self.track_drift and self.mode == "acco",
+            chunk_elems=chunk_elems, lr_power=self.lr_power, nominal_phase_micro_batches=self.nominal_phase * world,
+            commit_phases=2 if self.mode == "acco" else 1, read_counts_first=read_counts_first,
+            estimate_lr_scale=self.estimate_lr_scale, committed_second_moment=self.committed_second_moment,
+            delay=delay)

@@ -114,6 +114,9 @@ _ROWS = (
             "does not give",
             "use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true, no capturable or differentiable) or "
             "remove the key", form="{found} {why}; fix: {fix}"),
+    Refusal("ranks_differ", "settings that differ between ranks (e.g. ACCO enabled on one rank only): they would "
+            "issue different collectives and hang", "differs between ranks: {lines}", "give every rank the same config",
+            form="{found} {why}; fix: {fix}"),
     Refusal("one_hardware_queue", "overlapped rounds on one hardware queue (run synchronously instead: a warning)",
             "a round's collectives, launched from the communication thread, and any collective the compute side "
             "launches on another process group meanwhile (tensor parallelism, FSDP's all-gathers, a loss averaged "

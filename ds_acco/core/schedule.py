@@ -14,46 +14,36 @@ B ← G, G ← 0, one commit round waited for at once, model ← θ_{t+1} before
 overlap: the weights are stock ZeRO-1's). ACCO then bootstraps from θ_K (θ̃_K = θ_K).
 
 G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a round is
-:func:`.rounds.run_round` on the lane. Dynamic mode's drains agree across ranks: :mod:`.drains`;
-the in-flight state of checkpoints: :mod:`.schedule_state`; θ put into the live weights (evaluation,
-exports): :mod:`.committed`.
-
-Accumulation 'shared' (:class:`.phases.SharedPhases`): each rank measures its compute seconds per
-micro-batch over a phase (wall time minus the time it was blocked on rounds and drains) and sends
-it with the round it launches at that phase's end. At its n-th phase end every rank collects the
-same round n-1, so every rank computes the next phase's shares from the same table (and the same
-tables before it: each rank's median over the last few measured phases, :func:`.phases.typical_rates`,
-so that one slow phase does not move them): the shares agree with no collective of their own.
-(The bootstrap phase, a warm-up, is not measured.) While
-every phase has had equal shares (``SharedPhases.aligned``) the schedule is fixed mode, per
-micro-batch, per round and per drain: the speeds ride in the counts table every round sends
-anyway, and the only extra work is the share rule at each phase end (a few floats).
+:func:`.rounds.run_round` on the lane. The schedule holds its parts, each an object with a public
+interface that reaches the schedule only through its public names: dynamic mode's drains that agree
+across ranks (:mod:`.drains`), θ put into the live weights for evaluations and exports
+(:mod:`.committed`), the in-flight state of checkpoints (:mod:`.schedule_state`) and this rank's
+compute clock (:mod:`.compute_clock`).
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 import time
-from typing import Callable, Deque, List, Optional, Sequence
+from typing import Callable, ContextManager, Deque, List, Optional, Sequence
 
 from torch.profiler import record_function
 
 from ..comm.lane import CommLane
-from . import chunking
 from .buffers import BufferGroup
 from .committed import CommittedWeights
-from .delay_compensation import DelayCompensation
+from .compute_clock import ComputeClock
 from .drains import DrainAgreement
+from .inflight import InFlight
 from .options import ScheduleOptions
 from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases, Tally
 from .report import RoundReport
-from .rounds import RoundContext, RoundKind, RoundResult, run_round
-from .schedule_state import ScheduleState, _InFlight
+from .rounds import RoundKind, RoundResult, run_round
+from .schedule_state import ScheduleState
 
 
-class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
+class AccoSchedule:
     """Owns the phases, the rounds and the swaps for a set of buffer groups.
 
     Args:
@@ -93,31 +83,27 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         self.phases = options.phases
         if isinstance(self.phases, SharedPhases):
             self.phases = self.phases.for_rank(rank, world)  # equal shares (fixed mode's) until rates are known
-        self.context = RoundContext(
-            groups=self.groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,
-            rank=rank, world=world, gas_scale=options.gas_scale, clip_grad=options.clip_grad, nonfinite=options.nonfinite,
-            reduce_scatter=reduce_scatter, track_drift=options.track_drift and options.mode == "acco",
-            chunk_elems=options.chunk_elems, lr_power=options.lr_power,
-            nominal_phase_micro_batches=options.nominal_phase * world,
-            commit_phases=2 if options.mode == "acco" else 1,
-            read_counts_first=self.agrees_drains,  # set again at each launch (_launch)
-            estimate_lr_scale=options.estimate_lr_scale, committed_second_moment=options.committed_second_moment,
-            delay=DelayCompensation(self.groups, options.delay_compensation) if options.delay_compensation else None)
+        self._closed = False
+        self._inflight: Optional[InFlight] = None
+        # The parts (see the module docstring): each reads the schedule only through its public names.
+        self.drain_agreement = DrainAgreement(self)
+        self.committed = CommittedWeights(self.groups, self, shard_optimizer)
+        self.checkpoint = ScheduleState(self)
+        self.clock = ComputeClock()
+        self.context = options.round_context(self.groups, shard_optimizer, process_group=process_group,
+                                             norm_group=norm_group, rank=rank, world=world,
+                                             reduce_scatter=reduce_scatter,
+                                             read_counts_first=self.agrees_drains)  # set again at each launch
         # A step of the synchronous warm-up is stock's: the A micro-batches of two ACCO phases.
         self.sync_phases = (FixedPhases(2 * self.phases.micro_batches) if isinstance(self.phases, FixedPhases)
                             and self.mode == "acco" else None)
-        # The rounds' window: the user's, or chosen for the device and the shard (chunking.py).
-        device = self.groups[0].comm.device
-        self.context.chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in self.groups),
-                                                           options.chunk_elems, chunking.free_memory(device))
-        shard_optimizer.chunk_elems = self.context.chunk_elems
         self.report = report
         self.on_commit = on_commit
         self.before_launch = before_launch
         self.after_launch = after_launch
         self.loss_scale = loss_scale
-        self.accumulated_loss_scale = self._current_loss_scale()  # the scale G's contents carry
-        self.phase = self._opening_phase(0)
+        self.accumulated_loss_scale = self.current_loss_scale()  # the scale G's contents carry
+        self.phase = self.opening_phase(0)
         self.step_index = 0  # t: the optimizer step whose data the compute lane is producing
         self.committed_steps = 0
         self.phase_tally = Tally()  # the current phase
@@ -127,16 +113,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         self.recent_rounds: Deque[RoundResult] = collections.deque(maxlen=8)
         self.round_observers: List[Callable[[RoundResult], None]] = []  # called as each round is collected
         self._decision: Optional[tuple] = None  # (micro-batch index, why the phase ends or None)
-        self._inflight: Optional[_InFlight] = None
-        self._init_committed_weights()
-        self._closed = False
         self.last_commit_grad_norm: Optional[float] = None  # the newest collected commit's (checkpointed)
-        self.drains = 0  # drain() calls so far (dynamic mode: the j-th drain of every rank agrees, see above)
-        # This rank's speed, sent with each round (accumulation 'shared' splits phases by it):
-        self.seconds_per_micro_batch = math.nan  # over the last measured phase
-        self._phase_clock: Optional[tuple] = None  # (phase start, off-clock seconds then); None: not measured
-        self._off_clock_s = 0.0  # seconds blocked on rounds and drains, ever
-        self._off_clock_depth = 0
         for g in self.groups:
             g.zero_grads()
 
@@ -152,24 +129,15 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
     def decide_phase_end(self) -> bool:
         """Decide, once per micro-batch, whether the phase ends with it (later calls agree)."""
         if self._decision is None or self._decision[0] != self.micro_batches:
-            self.release_committed_weights()  # a micro-batch runs on the live weights
-            self._check_drains_pair_up()
-            why = self._why_phase_ends()
-            inflight = self._inflight
-            if why is not None and self.agrees_drains and inflight is not None:
-                # The phase end collects the round anyway: collect it now and keep the phase going
-                # if a peer is draining at it (module docstring, step 3).
-                inflight.wait_mark = inflight.wait_s
-                self._wait(inflight)
-                if self._peer_draining():
-                    self._check_drains_pair_up()
-                    why, inflight.wait_mark = None, None
+            self.committed.release()  # a micro-batch runs on the live weights
+            self.drain_agreement.check_pair_up()
+            why = self.drain_agreement.keep_phase_open(self._why_phase_ends())
             self._decision = (self.micro_batches, why)
         return self._decision[1] is not None
 
     def _why_phase_ends(self) -> Optional[str]:
         inflight = self._inflight
-        if self.agrees_drains and self._peer_draining():
+        if self.agrees_drains and self.drain_agreement.peer_draining():
             return None
         done = (lambda: True) if inflight is None else inflight.handle.done
         policy = self.sync_phases if self.phase is PhaseKind.SYNC else self.phases
@@ -178,8 +146,8 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
     def before_backward(self) -> None:
         """Before each backward pass: a loss scale set from outside (e.g. ``override_loss_scale``)
         is applied to G before gradients at the new scale land."""
-        self.release_committed_weights()
-        self._sync_accumulated_loss_scale()
+        self.committed.release()
+        self.sync_accumulated_loss_scale()
 
     def record_micro_batch(self, weight: float = 1.0) -> None:
         """Note one finished backward pass whose gradient now sits in G."""
@@ -192,8 +160,8 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         """Phase boundary: collect the round in flight, swap, launch the next round (with
         ``exchanged``: join a round whose counts table a drain probe already exchanged)."""
         with record_function("ACCO::phase_end"):
-            self.release_committed_weights()  # the swap below moves the live weights the compute lane ran on
-            self._measure_phase()
+            self.committed.release()  # the swap below moves the live weights the compute lane ran on
+            self.clock.end_phase(self.phase_tally.micro_batches)
             ended, wait_s, collected = self.phase, 0.0, self._inflight
             if reason is None and self._decision and self._decision[0] == self.micro_batches - 1:
                 reason = self._decision[1]
@@ -208,7 +176,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
                 self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged, sync=True)
                 wait_s = self._collect_into_live()  # model ← θ_{t+1} before the next micro-batch
                 self.step_index += 1
-                self.phase = self._opening_phase(self.step_index)
+                self.phase = self.opening_phase(self.step_index)
             elif self.phase is PhaseKind.BOOTSTRAP:
                 self._launch(RoundKind.ESTIMATE, clear_grads=False, exchanged=exchanged)
                 self.phase = PhaseKind.ESTIMATE
@@ -230,7 +198,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
             self.phase_tally = Tally()
             if isinstance(self.phases, SharedPhases) and collected is not None and collected.result.peer_report:
                 self.phases = self.phases.reshare([p.compute_s_per_micro_batch for p in collected.result.peer_report])
-            self._phase_clock = (time.perf_counter(), self._off_clock_s)
+            self.clock.start_phase()
 
     @property
     def closed(self) -> bool:
@@ -238,8 +206,13 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         return self._closed
 
     @property
+    def inflight(self) -> Optional[InFlight]:
+        """The round launched and not yet swapped in (finished or not), if any."""
+        return self._inflight
+
+    @property
     def round_in_flight(self) -> Optional[RoundKind]:
-        """The kind of the round launched and not yet swapped in (finished or not), if any."""
+        """The kind of :attr:`inflight`, if any."""
         return None if self._inflight is None else self._inflight.kind
 
     def close(self) -> None:
@@ -250,7 +223,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
             return
         try:
             self.drain()
-            self.hold_committed_weights()
+            self.committed.hold()
         finally:
             self._closed = True
             self.lane.close()
@@ -261,63 +234,101 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         self._closed = True
         self._inflight = None
 
-    # -- internals ------------------------------------------------------------------------
-    def _opening_phase(self, committed_steps: int) -> PhaseKind:
+    # -- the parts' delegates: the public API the driver, the adapters and the tests call ------
+    def drain(self) -> Optional[RoundResult]:
+        """Wait for the round in flight, agreed across ranks in dynamic mode (:meth:`.drains.DrainAgreement.drain`)."""
+        return self.drain_agreement.drain()
+
+    @property
+    def agrees_drains(self) -> bool:
+        """Whether drains run the agreement protocol (:attr:`.drains.DrainAgreement.agrees`)."""
+        return self.drain_agreement.agrees
+
+    def committed_weights(self) -> ContextManager[None]:
+        """A block with θ in the live weights (:meth:`.committed.CommittedWeights.committed_weights`)."""
+        return self.committed.committed_weights()
+
+    def hold_committed_weights(self, agreed: bool = False, settle_shards: bool = False) -> None:
+        """θ in the live weights until the next micro-batch (:meth:`.committed.CommittedWeights.hold`)."""
+        self.committed.hold(agreed=agreed, settle_shards=settle_shards)
+
+    def release_committed_weights(self) -> None:
+        """Undo a hold (:meth:`.committed.CommittedWeights.release`)."""
+        self.committed.release()
+
+    @property
+    def holds_committed_weights(self) -> bool:
+        """Whether a hold left θ in the live weights (:attr:`.committed.CommittedWeights.holds`)."""
+        return self.committed.holds
+
+    def state_dict(self) -> dict:
+        """Everything in flight, for an exact resume (:meth:`.schedule_state.ScheduleState.state_dict`)."""
+        return self.checkpoint.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (:meth:`.schedule_state.ScheduleState.load_state_dict`)."""
+        self.checkpoint.load_state_dict(state)
+
+    def reset(self, committed_steps: int) -> None:
+        """Start over at the current weights (:meth:`.schedule_state.ScheduleState.reset`)."""
+        self.checkpoint.reset(committed_steps)
+
+    @property
+    def seconds_per_micro_batch(self) -> float:
+        """This rank's compute speed over the last measured phase (:class:`.compute_clock.ComputeClock`)."""
+        return self.clock.seconds_per_micro_batch
+
+    # -- what the parts use: public, so that no part reads the schedule's private state -----
+    def off_the_clock(self) -> ContextManager[None]:
+        """Time inside is not micro-batch compute (:meth:`.compute_clock.ComputeClock.off_the_clock`)."""
+        return self.clock.off_the_clock()
+
+    def restore_inflight(self, inflight: Optional[InFlight]) -> None:
+        """A load or reset: ``inflight`` (a restored, finished round, or None) is the round in flight."""
+        self._inflight = inflight
+
+    def forget_phase_in_progress(self) -> None:
+        """A load or reset: the phase in progress began before it: no phase-end decision was taken
+        for it, it is not measured, and a drift measured before belongs to no step after it."""
+        self._decision = None
+        self.context.pending_drift = None
+        self.clock.skip_phase()
+
+    def opening_phase(self, committed_steps: int) -> PhaseKind:
         """The phase a run starts in after ``committed_steps`` optimizer steps: a step of the
         synchronous warm-up while fewer than ``sync_warmup_steps`` are done, else ACCO's bootstrap."""
         return PhaseKind.SYNC if committed_steps < self.options.sync_warmup_steps else PhaseKind.BOOTSTRAP
 
-    def _current_loss_scale(self) -> float:
+    def current_loss_scale(self) -> float:
+        """The loss scale backward passes use now (1 without fp16 loss scaling)."""
         scale = None if self.loss_scale is None else self.loss_scale()
         scale = 1.0 if scale is None else float(scale)
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"loss scale {scale!r}: must be a finite number > 0")
         return scale
 
-    def _sync_accumulated_loss_scale(self) -> None:
+    def sync_accumulated_loss_scale(self) -> None:
         """After a loss-scale change: G ← G · new/old, so it carries the scale the next backward
         passes will use (compute lane; the round in flight reads B, not G). G is rescaled even
         when no micro-batch has been recorded yet: a backward may have run before its step()."""
-        new = self._current_loss_scale()
+        new = self.current_loss_scale()
         if new != self.accumulated_loss_scale:
             for g in self.groups:
                 g.scale_grads(new / self.accumulated_loss_scale)
             self.accumulated_loss_scale = new
 
-    def _report(self, drain: int = 0) -> RoundReport:
+    def round_report(self, drain: int = 0) -> RoundReport:
         """What this rank sends with a round or a probe: the caller's report, with the drain it is
         in (``drain``, 0 outside one), its micro-batch count then and its measured speed."""
         report = self.report() if self.report is not None else RoundReport()
         return dataclasses.replace(report, drain=drain, drain_at=self.micro_batches if drain else 0,
                                    compute_s_per_micro_batch=self.seconds_per_micro_batch)
 
-    @contextlib.contextmanager
-    def _off_the_clock(self):
-        """Time inside is not this rank's micro-batch compute (a wait for a round, a drain, an
-        evaluation): it is left out of :attr:`seconds_per_micro_batch`. Nests."""
-        self._off_clock_depth += 1
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._off_clock_depth -= 1
-            if self._off_clock_depth == 0:
-                self._off_clock_s += time.perf_counter() - t0
-
-    def _measure_phase(self) -> None:
-        """At a phase end: this rank's compute seconds per micro-batch over the phase (host clock,
-        no device sync: it counts what the host waited for, e.g. a backward's kernels where the
-        caller reads the loss)."""
-        clock, n = self._phase_clock, self.phase_tally.micro_batches
-        if clock is not None and n > 0:
-            started, off = clock
-            self.seconds_per_micro_batch = (time.perf_counter() - started - (self._off_clock_s - off)) / n
-
     def _launch(self, kind: RoundKind, clear_grads: bool, exchanged: Optional[tuple] = None, sync: bool = False,
                 first_half_weight: Optional[float] = None) -> None:
         """Pack G into B and submit the round. ``sync``: a step of the synchronous warm-up;
         ``first_half_weight``: a commit's first-half weight, all ranks (the estimate round's)."""
-        self._sync_accumulated_loss_scale()  # a scale set after the last backward: G follows it into B
+        self.sync_accumulated_loss_scale()  # a scale set after the last backward: G follows it into B
         scale = self.accumulated_loss_scale
         for g in self.groups:
             g.pack_grads(kind, clear_grads)
@@ -325,7 +336,7 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
         if clear_grads:
             self.buffer_tally = Tally()
         step = self.step_index
-        report = self._report() if exchanged is None else None
+        report = self.round_report() if exchanged is None else None
         ctx = self.context
         # Only where drains run the agreement protocol can a peer fill this round's slot with a drain
         # abort (drains.py); shared phases leave fixed mode's path at a phase end. The lane is idle
@@ -341,14 +352,16 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
                                   lambda: run_round(ctx, kind, step, tally, report, scale, exchanged, settings,
                                                     sync=sync, first_half_weight=first_half_weight),
                                   keep=settings)  # a tensor setting (cloned here) lives until the round is waited for
-        self._inflight = _InFlight(handle, kind, step)
+        self._inflight = InFlight(handle, kind, step)
         if self.after_launch is not None:
             self.after_launch(kind)
 
-    def _wait(self, inflight: _InFlight) -> RoundResult:
+    def wait_for(self, inflight: InFlight) -> RoundResult:
+        """Wait for ``inflight`` (off the clock) and note its result once; a commit is booked once
+        (``committed_steps``, ``on_commit``, the loss scale it may change)."""
         if inflight.result is None:
             t0 = time.perf_counter()
-            with self._off_the_clock():
+            with self.off_the_clock():
                 inflight.result = self.lane.wait(inflight.handle)
             inflight.wait_s += time.perf_counter() - t0
             result = inflight.result
@@ -366,13 +379,13 @@ class AccoSchedule(CommittedWeights, DrainAgreement, ScheduleState):
             self.last_commit_grad_norm = inflight.result.grad_norm
             if self.on_commit is not None:
                 self.on_commit(inflight.result)  # may update the loss scaler
-            self._sync_accumulated_loss_scale()
+            self.sync_accumulated_loss_scale()
         return inflight.result
 
     def _collect_into_live(self) -> float:
         inflight = self._inflight
         waited_before = inflight.wait_s if inflight.wait_mark is None else inflight.wait_mark
-        self._wait(inflight)
+        self.wait_for(inflight)
         for g in self.groups:
             g.unpack_into_live()
         self._inflight = None

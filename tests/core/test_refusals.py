@@ -51,3 +51,12 @@ def test_a_layout_refusal_raises_the_first_row_that_applies_with_its_key():
         check_layout(AccoConfig(enabled=True), layout)
     assert caught.value.refusal == "pipeline_parallel" == LAYOUT_REFUSALS[0].key
     check_layout(AccoConfig(enabled=False), layout)  # a disabled block trains stock: nothing refused
+
+
+def test_ranks_that_differ_read_as_they_always_did():
+    """check_same_on_all_ranks (core/driver.py) raises the ``ranks_differ`` row: the message is
+    byte for byte the one it raised before the row existed (tests and users match it)."""
+    lines = 'rank 0: {"acco": {"enabled": true}}; rank 1: {"acco": null}'
+    error = refuse("ranks_differ", "ACCO settings", lines=lines)
+    assert error.refusal == "ranks_differ"
+    assert str(error) == f"ACCO settings differs between ranks: {lines}; fix: give every rank the same config"

@@ -15,7 +15,7 @@ from ds_acco.core.driver import AccoDriver
 from ds_acco.core.phases import Tally
 from ds_acco.core.report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 from ds_acco.core.rounds import DrainMismatchError, RoundKind, RoundResult, check_no_drain_abort
-from ds_acco.core.drains import _flagged
+from ds_acco.core.drains import flagged
 from ds_acco.core.schedule import AccoSchedule
 from ds_acco.core.metrics import StepMetrics
 
@@ -68,7 +68,7 @@ def test_stop_request_and_drain_flags_travel_whatever_the_fields(monkeypatch, cl
     # metrics and stop request) with the drain fields filled in.
     driver_report = dataclasses.replace(distinct(cls, 1), stop=False, drain=0, drain_at=0)
     schedule = SimpleNamespace(report=lambda: driver_report, micro_batches=17, seconds_per_micro_batch=0.125)
-    mine = AccoSchedule._report(schedule, drain=4)
+    mine = AccoSchedule.round_report(schedule, drain=4)
     assert type(mine) is cls and (mine.drain, mine.drain_at, mine.stop) == (4, 17, False)
     assert mine.compute_s_per_micro_batch == 0.125
     peer = dataclasses.replace(distinct(cls, 2), stop=True, drain=0, drain_at=0)
@@ -76,7 +76,7 @@ def test_stop_request_and_drain_flags_travel_whatever_the_fields(monkeypatch, cl
     assert per_rank == [Tally(3, 2.5), Tally(5, 5.0)]
     assert reports == [mine, peer]
     result = RoundResult(RoundKind.COMMIT, 0, Tally(3, 2.5), per_rank, 1.0, peer_report=reports)
-    assert _flagged(result, 4) and not _flagged(result, 3)
+    assert flagged(result, 4) and not flagged(result, 3)
     stub = SimpleNamespace(schedule=SimpleNamespace(recent_rounds=[result]))
     assert AccoDriver.stop_requested_by_any_rank(stub)
     check_no_drain_abort(reports)

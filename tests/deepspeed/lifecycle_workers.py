@@ -111,7 +111,7 @@ def checkpoint_load_latest(case, save_dir):
 
 
 def mismatched_init(per_rank_acco):
-    """Each rank gets its own acco block; return the error text (or 'NO ERROR')."""
+    """Each rank gets its own acco block; return the error's refusal key and text (or 'NO ERROR')."""
     import os
     rank = int(os.environ["RANK"])
     model = TinyNet()
@@ -119,9 +119,9 @@ def mismatched_init(per_rank_acco):
         engine, *_ = ds_acco.initialize(model=model, optimizer=make_optimizer("sgd")(model),
                                         config=ds_config(4, per_rank_acco[rank]))
         engine.destroy()
-        return "NO ERROR"
+        return None, "NO ERROR"
     except ValueError as exc:
-        return str(exc)
+        return getattr(exc, "refusal", None), str(exc)
 
 
 def rank_dies(case, die_rank, die_at):
@@ -167,7 +167,7 @@ def soak(case, micro_batches, sample_every):
                 "rss_mb": rss / 2**20,
                 "threads": threading.active_count(),
                 "os_threads": len(os.listdir("/proc/self/task")),
-                "inflight": int(schedule._inflight is not None),
+                "inflight": int(schedule.inflight is not None),
                 "lane_queue": schedule.lane._queue.qsize(),
                 "history": len(schedule.history),
                 "metrics_records": len(engine.optimizer.driver.metrics.records),

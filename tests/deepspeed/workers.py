@@ -316,7 +316,7 @@ def train_until(case: dict):
         if sleep:
             time.sleep(sleep)
         if case.get("finish_rounds_first"):  # let the round in flight finish before the phase can end
-            inflight = schedule._inflight
+            inflight = schedule.inflight
             deadline = time.time() + 60
             while inflight is not None and not inflight.handle.done() and time.time() < deadline:
                 time.sleep(0.001)

@@ -146,7 +146,7 @@ def checkpoint_runs(case, ckpt_dir, save_at, total):
         if i in save_at:
             if i % 2:  # inside committed_weights (an evaluation callback that saves): the export swaps back
                 with ds_acco.committed_weights(acco):
-                    if acco.schedule._swapped:
+                    if acco.schedule.committed.swapped:
                         swapped.append(i)
                     acco.save_checkpoint(os.path.join(ckpt_dir, f"mb{i}"))
             else:

@@ -327,7 +327,7 @@ def fsdp_exports(case: dict, out_dir: str) -> dict:
             if i not in at:
                 return
             if inside is not None and str(acco.schedule.round_in_flight) == "RoundKind.ESTIMATE":
-                step = acco.schedule._inflight.step
+                step = acco.schedule.inflight.step
                 assert inside[step].wait(60), f"the estimate round of step {step} never reached its step"
                 # the master shards are on θ̃ now, for a second
             if name == "evaluated":
@@ -450,7 +450,7 @@ def ds_dynamic_export(case: dict) -> dict:
     out = {"in_flight": str(schedule.round_in_flight)}
     if int(os.environ["RANK"]) == 0:
         import time as clock
-        handle = schedule._inflight.handle
+        handle = schedule.inflight.handle
         try:
             engine.module.state_dict()
             out["refused"] = None

@@ -144,7 +144,8 @@ def test_deepspeed_settings_refused_as_deepspeed_parses_them(block, key):
 ], ids=["enabled-on-one-rank", "modes-differ", "accumulation-differs"])
 def test_ranks_disagreeing_is_refused_at_initialisation(blocks):
     errors = run_ranks(lifecycle_workers.mismatched_init, per_rank_acco=blocks, timeout=scaled(40))
-    for msg in errors:
+    for key, msg in errors:
+        assert key == "ranks_differ", msg
         assert "differs between ranks" in msg and "rank 0" in msg and "rank 1" in msg and "fix" in msg, msg
 
 

@@ -117,8 +117,69 @@ def test_the_core_runs_without_deepspeed_installed(tmp_path):
 
 
 def test_the_schedule_stays_small():
-    # The state machine only: drains (core/drains.py) and checkpoint state (core/schedule_state.py) live apart.
+    # The state machine only: its parts (drains, committed weights, checkpoint state, the clock) live apart.
     assert len((PKG / "core" / "schedule.py").read_text().splitlines()) < 400
+
+
+# The schedule and the parts it holds (issue 35: objects with public interfaces, not mixins sharing state).
+SCHEDULE_PARTS = [f"ds_acco.core.{m}" for m in ("schedule", "committed", "drains", "schedule_state", "compute_clock",
+                                                "inflight")]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_reaches(name: str, source: str) -> list:
+    """Where a module reads or writes private state it does not own: ``x._name`` for any ``x`` but
+    ``self`` / ``cls``, ``getattr(x, "_name")`` and the like, ``from .part import _name``, and
+    ``self._name`` in a class that neither assigns nor defines ``_name`` (a mixin reading its host's)."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and _private(str(node.args[1].value))):
+            found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.level and node.module and any(
+                f"ds_acco.core.{node.module}" == p for p in SCHEDULE_PARTS):
+            found += [f"{name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names if _private(a.name)]
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        own |= {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        uses = [n for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                and n.value.id == "self" and _private(n.attr)]
+        own |= {n.attr for n in uses if isinstance(n.ctx, ast.Store)}
+        found += [f"{name}:{n.lineno} {cls.name} reads self.{n.attr}, which it does not own" for n in uses
+                  if n.attr not in own]
+    return found
+
+
+def test_the_schedules_parts_reach_each_other_only_through_public_names():
+    """Each part of the schedule is an object the schedule holds; it and the schedule read each other
+    through public names only, and no class reads private state it does not set itself."""
+    found = [f for m in SCHEDULE_PARTS for f in private_reaches(m, MODULES[m].read_text())]
+    assert found == []
+
+
+def test_the_private_reach_check_finds_one():
+    part = ("from .schedule_state import _InFlight\n"
+            "class Drains:\n"
+            "    def __init__(self, schedule):\n"
+            "        self.schedule, self._count = schedule, 0\n"
+            "    def drain(self):\n"
+            "        self._count += 1\n"
+            "        return self.schedule._inflight, getattr(self.schedule, '_wait')\n")
+    mixin = ("class DrainAgreement:\n"
+             "    def drain(self):\n"
+             "        return self._inflight  # set by the class it is mixed into\n")
+    assert [f.split(" ", 1)[1] for f in private_reaches("m", part)] == [
+        "imports schedule_state._InFlight", "self.schedule._inflight", "getattr(self.schedule, '_wait')"]
+    assert private_reaches("m", mixin) == ["m:3 DrainAgreement reads self._inflight, which it does not own"]
 
 
 def _imports_with_type_hints(name: str, path: Path):
