@@ -510,6 +510,7 @@ def test_launch_kills_every_rank_when_one_fails():
     assert "boom" in str(exc.value)
 
 
+@pytest.mark.slow  # waits for the runner's timeout
 def test_launch_times_out():
     import io
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -570,6 +571,7 @@ def test_emulated_cluster_shapes_links_and_cleans_up(tmp_path):
 
 
 # -- accelerator emulation --------------------------------------------------------------------------
+@pytest.mark.slow  # emulated compute, waited for in wall time
 def test_emulated_compute_takes_wall_time_not_cpu_and_keeps_the_small_gpts_loss():
     import torch
     from benchmarks.emulation import EmulatedLM
@@ -704,6 +706,7 @@ def test_advisor_out_of_sample_predicts_each_run_from_another_runs_probe():
     assert res["in_sample"]["n"] == 2 and res["out_of_sample"]["n"] == 2
 
 
+@pytest.mark.slow  # two ranks, the memory probe's fresh runs (~7 s)
 def test_memory_runs_probe_collectives_on_capped_buffers():
     """A memory run probes after its measured peak, in the same processes: model-sized probe
     buffers (all-reduce, all-gather, a shard's AdamW) would add ~2.5 model sizes per rank, which
@@ -765,6 +768,7 @@ def test_shared_variant_commits_stocks_batch_every_step_on_every_rank():
     assert shared[0]["heldout"][-1]["loss"] == shared[1]["heldout"][-1]["loss"]
 
 
+@pytest.mark.slow  # two 2-rank A/B runs (~6 s)
 def test_stock_overlap_trains_as_stock_with_its_reduce_started_from_the_backward_hooks():
     """Through the A/B loop on 2 ranks: stock_overlap's engine carries overlap_comm, contiguous
     gradients and the tuned bucket; its bucketed reduces start from the gradient hooks of each step's

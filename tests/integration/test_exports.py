@@ -47,6 +47,7 @@ def _assert_exports_are_theta(trained: list, reloaded: dict) -> None:
         assert got["eval_loss"] == trained[0]["eval_loss"], (name, got["eval_loss"], trained[0]["eval_loss"])
 
 
+@pytest.mark.slow  # a 2-rank Accelerate run and a fresh process that reloads it (~3 s)
 def test_accelerate_exports_are_the_committed_weights(tmp_path):
     case = {"gas": GAS, "steps": STEPS}
     trained = run_ranks(export_workers.accelerate_exports, case=case, out_dir=str(tmp_path), timeout=scaled(120))

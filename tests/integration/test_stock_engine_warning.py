@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 WARNING = "training runs WITHOUT ACCO"
 
 
+@pytest.mark.slow  # a 2-rank job in fresh interpreters (~4.5 s)
 def test_stock_engine_from_an_acco_config_warns(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "LOCAL_RANK": "0", "RANK": "0",
            "WORLD_SIZE": "1"}

@@ -36,6 +36,7 @@ def _python(tmp_path, code, **env_extra):
     return out.stdout.strip().splitlines()[-1], out.stderr
 
 
+@pytest.mark.slow  # fresh interpreters (~4 s)
 def test_set_installs_when_deepspeed_is_imported(tmp_path):
     code = ("import sys; before = 'ds_acco' in sys.modules and sys.modules['ds_acco'].installed()\n"
             "from deepspeed import initialize\n"
@@ -127,6 +128,7 @@ def guard_env(base: dict) -> dict:
     return env
 
 
+@pytest.mark.slow  # fresh interpreters under four launchers (~6 s)
 def test_an_enabled_block_never_trains_stock_silently(tmp_path):
     """Every way the script builds an engine from an enabled block without ds_acco routing it (dict,
     path, base64, config_params, Megatron's args, an initialize looked up early, a direct engine,

@@ -99,6 +99,7 @@ def test_core_and_lane_import_neither_deepspeed_nor_the_adapters(layer):
     assert found == []
 
 
+@pytest.mark.slow  # a fresh interpreter without DeepSpeed (~2.5 s)
 def test_the_core_runs_without_deepspeed_installed(tmp_path):
     # A module finder that refuses deepspeed: the FSDP2 path must import and build without it.
     code = (
@@ -215,6 +216,7 @@ def test_the_core_and_the_lane_import_nothing_above_them(layer, below):
     assert found == []
 
 
+@pytest.mark.slow  # one fresh interpreter per module (~5 s)
 def test_every_module_imports_alone():
     """Each library module imported first, into a process that has imported no other ds_acco module:
     a cycle between modules fails here for the module imported first (main's ``import

@@ -211,6 +211,7 @@ def test_the_dry_runs_protocol_part_fails_without_a_wait(dry_runs, mutation):
     assert results["protocol.reference"]["ok"]
 
 
+@pytest.mark.slow  # the gpu_check script in fresh interpreters (~5 s)
 def test_the_command_line_fails_naming_the_check_and_writes_what_it_measured(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--cpu", "--parts", "protocol",
