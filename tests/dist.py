@@ -66,15 +66,16 @@ def rendezvous_store(world: int) -> Iterator[dict]:
 
 def settled_thread_count() -> int:
     """This process's OS threads (Python's and those C++ libraries start, e.g. a gloo group's
-    workers), counted once three samples 15 ms apart agree (at most ~2 s): a joined Python thread
-    leaves Python before its OS thread has finished exiting, under load some ms later."""
-    samples = [len(os.listdir("/proc/self/task"))]
-    for _ in range(130):
-        if len(samples) >= 3 and samples[-1] == samples[-2] == samples[-3]:
-            break
-        time.sleep(0.015)
-        samples.append(len(os.listdir("/proc/self/task")))
-    return samples[-1]
+    workers), counted once the count has not changed for 100 ms (at most ~3 s): a joined Python
+    thread leaves Python before its OS thread has finished exiting, under load tens of ms later. A
+    leaked thread never exits, so it is always counted."""
+    count, since, deadline = len(os.listdir("/proc/self/task")), time.monotonic(), time.monotonic() + 3.0
+    while time.monotonic() - since < 0.1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = len(os.listdir("/proc/self/task"))
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
 
 
 def address_in_use(output: str) -> bool:

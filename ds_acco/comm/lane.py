@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
@@ -109,6 +110,10 @@ class CommLane:
         ``keep``: objects (tensors the compute thread made) the round reads; held until the
         compute stream has waited for the round (:meth:`wait`). ``fn`` must return host values
         only: device tensors it returned would be read and freed on the compute stream."""
+        if self.closed:  # its process group is gone: a round now would run on no group, or the wrong one
+            raise RuntimeError(f"ACCO: round '{name}' submitted after the engine was destroyed (its communication "
+                               "lane and process group are closed); fix: build a new engine (ds_acco.initialize / "
+                               "AccoFSDP) to train, load or step again")
         ready = None
         if self._use_streams:
             ready = self._accel.Event()
@@ -135,6 +140,11 @@ class CommLane:
                 if self._stream is not None:
                     self._settle()
                 handle.finished_at = time.perf_counter()
+                # The error outlives the round (held by the round in flight, the caller's error, at
+                # exit sys.last_value): its frames' locals must not keep the round's tensors and
+                # process group alive (a group kept alive keeps its gloo threads to interpreter exit,
+                # see at_exit.end_groups). The traceback's lines stay printable.
+                traceback.clear_frames(exc.__traceback__)
                 future.set_exception(exc)
                 return
             handle.finished_at = time.perf_counter()
@@ -210,8 +220,9 @@ class CommLane:
     def close(self) -> None:
         """Stop the worker thread after the round in flight, waiting at most ``timeout_s`` for it
         (not at all once a wait has run out: the worker is stuck in that round): a round stuck in
-        a collective (a dead peer) is left to its daemon thread."""
+        a collective (a dead peer) is left to its daemon thread. Later submits raise."""
         with self._lock:
+            self.closed = True
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
@@ -222,8 +233,10 @@ class CommLane:
     def stop_nowait(self, then: Optional[Callable[[], None]] = None) -> None:
         """Ask the worker to end once the rounds already queued have finished, without waiting
         (a finaliser may run on any thread, this lane's own included). ``then`` runs after the
-        last round, on the worker's thread (here at once if the worker never started)."""
+        last round, on the worker's thread (here at once if the worker never started). Later
+        submits raise."""
         with self._lock:
+            self.closed = True
             thread, self._thread = self._thread, None
         if thread is None:
             if then is not None:
@@ -243,5 +256,6 @@ class CommLane:
         thread.join(timeout)
         return not thread.is_alive()
 
+    closed = False  # close() or stop_nowait() ended the lane: nothing is submitted any more
     stuck = False  # close() left the worker inside a round (its collectives may still use the group)
     _stopping: Optional[threading.Thread] = None  # the worker stop_nowait() asked to end

@@ -345,9 +345,10 @@ class AccoDriver:
         self._uninstall_sigterm()
         groups = [self.process_group, self.norm_group]  # held by nothing else once the lane lets go
         self.process_group = self.norm_group = None
-        local = False
+        left_to_the_process = False  # an NCCL group (docstring); a gloo one, or one already gone, is let go
         try:
-            local = groups[0] is not None and dist.is_initialized() and dist.get_backend(groups[0]) == "gloo"
+            left_to_the_process = (groups[0] is not None and dist.is_initialized()
+                                   and dist.get_backend(groups[0]) != "gloo")
         except (ValueError, RuntimeError):  # the group is gone already (the default group was replaced)
             pass
         finally:
@@ -357,7 +358,7 @@ class AccoDriver:
                 context.process_group = context.norm_group = None
                 end_groups(groups)
 
-            self.lane.stop_nowait(then=end_after_last_round if local else None)
+            self.lane.stop_nowait(then=None if left_to_the_process else end_after_last_round)
             ABANDONED_LANES.add(self.lane)
 
     def _release_process_group(self) -> None:
@@ -366,7 +367,7 @@ class AccoDriver:
         the lane's thread is still inside a round (a dead peer): it would use a destroyed group."""
         groups = [self.process_group, self.norm_group]
         self.process_group = self.norm_group = None
-        if groups[0] is None or not dist.is_initialized() or self.lane.stuck:
+        if groups[0] is None or self.lane.stuck:  # stuck: the round still inside a collective uses them
             return
         # The rounds' context is the other holder: the lane is joined, so no round reads it again.
         context = self.schedule.context

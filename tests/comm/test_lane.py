@@ -87,3 +87,46 @@ def test_after_a_wait_runs_out_nothing_waits_on_the_lane_again(monkeypatch):
     thread.join(30)
     assert not thread.is_alive()
     assert lane.wait(queued) == "θ̃"
+
+
+class _Held:
+    """An object only a round's frame holds (stands for its tensors and process group)."""
+
+
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_a_failed_rounds_error_does_not_keep_its_frames_locals_alive(synchronous):
+    """The error of a round that failed outlives it (the round in flight, the caller's exception, at
+    exit ``sys.last_value``); its frames must not keep what they referenced alive -- a process group
+    kept so keeps its gloo threads to interpreter exit, where they may abort the process
+    (at_exit.end_groups). Mutation: no ``traceback.clear_frames`` in the lane: the object stays alive."""
+    import gc
+    import weakref
+
+    box = [_Held()]
+    alive = weakref.ref(box[0])
+
+    def round_that_fails():
+        group = box.pop()  # the frame's local is the only reference left
+        raise RuntimeError(f"collective failed on {type(group).__name__}")
+
+    lane = CommLane(synchronous=synchronous, timeout_s=30)
+    handle = lane.submit("failing", round_that_fails)
+    with pytest.raises(CommRoundError) as raised:
+        lane.wait(handle)
+    assert "collective failed on _Held" in str(raised.value)  # the message survives
+    gc.collect()
+    assert alive() is None
+    assert handle.future.exception() is not None  # still held, as the round in flight holds it
+    lane.close()
+
+
+def test_nothing_is_submitted_after_close():
+    """After ``close()`` (``destroy()``) or ``stop_nowait()`` (a collected engine) the lane's process
+    group is gone: a later round would silently run on the default group (the wrong ranks under
+    tensor parallelism or a mesh). It is refused, naming the fix."""
+    for end in (lambda lane: lane.close(), lambda lane: lane.stop_nowait()):
+        lane = CommLane(timeout_s=30)
+        lane.wait(lane.submit("first", lambda: 1))
+        end(lane)
+        with pytest.raises(RuntimeError, match="submitted after the engine was destroyed.*fix: build a new engine"):
+            lane.submit("late", lambda: 2)
