@@ -137,6 +137,16 @@ def _read_at_start(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
 
 
+def _stacks_of(out: str) -> str:
+    """The Python stacks a hung rank dumped on SIGUSR1 (its last 6000 characters), or why there are none."""
+    try:
+        with open(out + ".stacks") as f:
+            text = f.read()
+    except OSError:
+        return "  (no stack dump: the rank had not started)"
+    return "  its threads when it was stopped:\n" + (text[-6000:] if text.strip() else "  (empty: blocked outside Python's reach)")
+
+
 def _context():
     """The fork server (preloaded, started on first use), or spawn when the caller's environment
     differs from the server's in a variable only a fresh interpreter reads."""
@@ -160,7 +170,14 @@ def _context():
     return mp.get_context("forkserver")
 
 
+_STACKS = None  # this rank's file for the Python stacks of every thread, dumped on SIGUSR1 (a hung rank)
+
+
 def _entry(rank, world, env, store_env, fn, kwargs, out):
+    global _STACKS
+    import faulthandler
+    _STACKS = open(out + ".stacks", "w")
+    faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
     os.environ.clear()  # the caller's environment, not the one the fork server started with
     os.environ.update(env)
     os.environ.update(store_env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
@@ -205,6 +222,10 @@ def run_ranks(fn, world: int = 2, timeout: float = None, allow_missing: bool = F
                 deadline = min(deadline, time.monotonic() + scaled(20))
             time.sleep(0.05)
         hung = [p for p in procs if p.is_alive()]
+        if hung:  # where each hung rank is: every thread's Python stack, into its .stacks file
+            for p in hung:
+                os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(1.0)
         for p in hung:
             p.kill()
             p.join()
@@ -225,6 +246,8 @@ def run_ranks(fn, world: int = 2, timeout: float = None, allow_missing: bool = F
                 why = f", killed at the time limit ({timeout:.0f} s; ACCO_TEST_TIMEOUT_SCALE scales it) or after a peer failed" \
                     if procs[r] in hung else ""
                 errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{why})")
+                if procs[r] in hung:
+                    errors.append(_stacks_of(out))
                 continue
             data = torch.load(out, weights_only=False)
             if "error" in data:
