@@ -83,10 +83,10 @@ def rearm_sigint_exit() -> None:
         pass
 
 
-def end_groups(groups: list) -> None:
-    """Destroy the process groups in ``groups`` (a list only the caller holds; emptied here) and drop
-    the last references to them, so torch ends their backend now: a gloo group's destructor joins its
-    worker threads. Local, no collective.
+def end_groups(context) -> None:
+    """Take the rounds' process groups from ``context`` (a :class:`.rounds.RoundContext`, their only
+    holder), destroy them and drop the last references, so torch ends their backend now: a gloo
+    group's destructor joins its worker threads. Local, no collective.
 
     Why now and not at interpreter exit: a gloo worker thread that still holds a finished round's
     work drops it after the waiting thread moved on, and if that work holds the last reference to a
@@ -101,6 +101,8 @@ def end_groups(groups: list) -> None:
     plain dicts, changed key by key under the GIL. Not beside a concurrent
     ``destroy_process_group()`` of the whole world: destroy() engines before that. Groups created by
     their members alone are kept until the process ends (``comm/groups.py``)."""
+    groups = [context.process_group, context.norm_group]
+    context.process_group = context.norm_group = None
     while groups:
         pg = groups.pop()
         if pg is None or not dist.is_initialized() or not destroyable(pg):

@@ -47,8 +47,7 @@ from torch.profiler import record_function
 from ..comm.lane import CommLane
 from .inflight import InFlight
 from .phases import DynamicPhases, FixedPhases, SharedPhases, Tally
-from .report import RoundReport
-from .report import DRAIN_ABORT
+from .report import DRAIN_ABORT, RoundReport
 from .rounds import DrainMismatchError, RoundContext, RoundResult, check_no_drain_abort, exchange_tallies
 
 

@@ -109,23 +109,23 @@ class AccoDriver:
                 logger.warning(serialised)
         # The rounds' own groups: they run on the lane's thread, and gloo matches collectives by
         # issue order per group (and the compute thread's tensor-parallel collectives use mpu's).
+        # Held by the rounds' context only (see process_group): at_exit.end_groups lets them go.
         timeout = timedelta(seconds=config.comm_timeout_s)
-        self.norm_group = None
+        rounds_group, norm_group = None, None
         if model_parallel_group is not None and dist.get_world_size(group=model_parallel_group) > 1:
             # every rank builds an engine, each over its own data-parallel group
-            self.process_group = new_group_everywhere(ranks, timeout)
-            self.norm_group = new_group_everywhere(dist.get_process_group_ranks(model_parallel_group), timeout)
+            rounds_group = new_group_everywhere(ranks, timeout)
+            norm_group = new_group_everywhere(dist.get_process_group_ranks(model_parallel_group), timeout)
         else:
-            self.process_group = new_rounds_group(ranks, timeout)
+            rounds_group = new_rounds_group(ranks, timeout)
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
                              accelerator=stream_accelerator(device, host.accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
         self.stop_requested = False  # set by SIGTERM; sent to every rank with the next round
         self.options = ScheduleOptions.from_config(config, host.gradient_accumulation_steps, host.clip_grad)
         self.schedule = AccoSchedule(
-            groups, self.shard_optimizer, self.lane, process_group=self.process_group, rank=rank, world=len(ranks),
-            options=self.options, reduce_scatter=collectives.uses_reduce_scatter(self.process_group),
-            norm_group=self.norm_group,
+            groups, self.shard_optimizer, self.lane, process_group=rounds_group, rank=rank, world=len(ranks),
+            options=self.options, reduce_scatter=collectives.uses_reduce_scatter(rounds_group), norm_group=norm_group,
             loss_scale=host.loss_scale, report=self._report, on_commit=self._on_commit,
             before_launch=self.lr.step_owed, after_launch=self.lr.launched)
         self._boundary: Optional[bool] = None
@@ -343,33 +343,26 @@ class AccoDriver:
         atexit.unregister(self._at_exit)
         self.schedule.abandon()
         self._uninstall_sigterm()
-        groups = [self.process_group, self.norm_group]  # held by nothing else once the lane lets go
-        self.process_group = self.norm_group = None
+        context = self.schedule.context
         left_to_the_process = False  # an NCCL group (docstring); a gloo one, or one already gone, is let go
         try:
-            left_to_the_process = (groups[0] is not None and dist.is_initialized()
-                                   and dist.get_backend(groups[0]) != "gloo")
+            left_to_the_process = (context.process_group is not None and dist.is_initialized()
+                                   and dist.get_backend(context.process_group) != "gloo")
         except (ValueError, RuntimeError):  # the group is gone already (the default group was replaced)
             pass
         finally:
-            context = self.schedule.context
-
-            def end_after_last_round() -> None:  # on the lane's thread, after the rounds already queued
-                context.process_group = context.norm_group = None
-                end_groups(groups)
-
-            self.lane.stop_nowait(then=None if left_to_the_process else end_after_last_round)
+            # on the lane's thread, after the rounds already queued (they use the groups)
+            self.lane.stop_nowait(then=None if left_to_the_process else functools.partial(end_groups, context))
             ABANDONED_LANES.add(self.lane)
 
     def _release_process_group(self) -> None:
         """Give the rounds' process group back (local: no collective, so it is safe from a
         finaliser or the garbage collector at any point of another engine's life). Kept while
         the lane's thread is still inside a round (a dead peer): it would use a destroyed group."""
-        groups = [self.process_group, self.norm_group]
-        self.process_group = self.norm_group = None
-        if groups[0] is None or self.lane.stuck:  # stuck: the round still inside a collective uses them
-            return
-        # The rounds' context is the other holder: the lane is joined, so no round reads it again.
-        context = self.schedule.context
-        context.process_group = context.norm_group = None
-        end_groups(groups)  # their gloo worker threads end here (at_exit.end_groups)
+        if not self.lane.stuck:  # stuck: the round still inside a collective uses them
+            end_groups(self.schedule.context)  # the lane is joined: no round reads them again
+
+    @property
+    def process_group(self):
+        """The rounds' own process group (None once released)."""
+        return self.schedule.context.process_group
