@@ -18,7 +18,7 @@ DEFAULT_LR_SCALE = 2.0
 PAPER_LR_SCALE = 1.0
 
 
-def _mean_grad(model: torch.nn.Module, params: Dict[str, torch.Tensor], batches) -> Dict[str, torch.Tensor]:
+def _global_mean_grad(model: torch.nn.Module, params: Dict[str, torch.Tensor], batches) -> Dict[str, torch.Tensor]:
     """Mean over ``batches`` of the gradient of ``model(*batch)`` at ``params``."""
     work = copy.deepcopy(model)
     with torch.no_grad():
@@ -120,13 +120,15 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
                   clip: float = 0.0, estimate_log: Optional[List] = None,
                   skip_estimate=(), skip_commit=(), stock_steps_first: int = 0,
                   lr_scale: float = DEFAULT_LR_SCALE, committed_second_moment: bool = False,
-                  delay_compensation: float = 0.0, sync_warmup_steps: int = 0) -> Dict[str, torch.Tensor]:
+                  delay_compensation: float = 0.0, sync_warmup_steps: int = 0,
+                  sum_ranks: bool = False) -> Dict[str, torch.Tensor]:
     """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank.
 
     The estimate variants of mode 'acco' (docs/estimate.md): ``lr_scale`` (the estimate's learning
     rate × this; default the look-ahead's 2, PAPER_LR_SCALE = 1 for the paper's estimate), ``committed_second_moment`` (Adam's v̂ from the committed state), ``delay_compensation``
     (λ of the commit's DC-ASGD-a term), ``sync_warmup_steps`` (the first that many steps are stock's,
-    then ACCO bootstraps from there: θ̃ = θ).
+    then ACCO bootstraps from there: θ̃ = θ). ``sum_ranks``: every gradient is the ranks' sum of their
+    mean gradients (DeepSpeed's ``gradient_allreduce_op: "sum"``), world × the global mean.
 
     ``skip_estimate`` / ``skip_commit``: steps whose round had a non-finite gradient: the
     estimate falls back to θ_t; the commit leaves θ, S and the LR schedule unchanged.
@@ -135,6 +137,10 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
     on the micro-batches that follow: a stock ZeRO-1 checkpoint resumed under ``mode``.
     """
     tr = _Trainer(model, make_optimizer, make_scheduler, clip)
+
+    def _mean_grad(model, params, batches):  # the reduction: the mean over every rank, or world x it
+        grads = _global_mean_grad(model, params, batches)
+        return {n: g * world for n, g in grads.items()} if sum_ranks else grads
     first = gas * stock_steps_first  # micro-batch index where ``mode`` starts
 
     def mb(t, lo, hi):  # micro-batches lo..hi-1 of step t, all ranks

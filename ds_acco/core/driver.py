@@ -122,7 +122,8 @@ class AccoDriver:
                              accelerator=stream_accelerator(device, host.accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
         self.stop_requested = False  # set by SIGTERM; sent to every rank with the next round
-        self.options = ScheduleOptions.from_config(config, host.gradient_accumulation_steps, host.clip_grad)
+        self.options = ScheduleOptions.from_config(config, host.gradient_accumulation_steps, host.clip_grad,
+                                                   sum_ranks=host.sum_ranks)
         self.schedule = AccoSchedule(
             groups, self.shard_optimizer, self.lane, process_group=rounds_group, rank=rank, world=len(ranks),
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(rounds_group), norm_group=norm_group,

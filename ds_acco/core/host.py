@@ -35,6 +35,8 @@ class Host(Protocol):
     gradient_accumulation_steps: int
     clip_grad: float
     """The gradient clipping norm (0: off)."""
+    sum_ranks: bool
+    """The ranks' gradients are summed, not averaged (DeepSpeed's ``gradient_allreduce_op: "sum"``)."""
     device: torch.device
     """Where G and B live (the lane runs its rounds with this device current)."""
     accelerator: Any

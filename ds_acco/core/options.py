@@ -18,6 +18,7 @@ class ScheduleOptions:
     phases: object  # FixedPhases, DynamicPhases or SharedPhases: when a phase ends
     gas_scale: float = 1.0  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A)
     clip_grad: float = 0.0  # clip each round's global mean gradient to this norm (0: off)
+    sum_ranks: bool = False  # the ranks' gradients summed, not averaged (DeepSpeed's gradient_allreduce_op "sum")
     nonfinite: str = "skip"  # 'skip' or 'raise' on a non-finite global mean gradient
     track_drift: bool = False  # measure the estimate drift in commit rounds (mode acco)
     chunk_elems: Optional[int] = None  # a round's window (elements); None: per device (chunking.py)
@@ -43,10 +44,12 @@ class ScheduleOptions:
             raise ValueError(f"delay_compensation {self.delay_compensation} needs mode 'acco' (an estimate round)")
 
     @classmethod
-    def from_config(cls, acco, gradient_accumulation_steps: int, clip_grad: float = 0.0) -> "ScheduleOptions":
-        """From an :class:`~ds_acco.config.AccoConfig` and the framework's accumulation count and clip."""
+    def from_config(cls, acco, gradient_accumulation_steps: int, clip_grad: float = 0.0,
+                    sum_ranks: bool = False) -> "ScheduleOptions":
+        """From an :class:`~ds_acco.config.AccoConfig` and the framework's accumulation count, clip and
+        reduction (``sum_ranks``: summed over the ranks, not averaged)."""
         return cls(mode=acco.mode, phases=acco.phase_policy(gradient_accumulation_steps),
-                   gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0),
+                   gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0), sum_ranks=sum_ranks,
                    nonfinite=acco.nonfinite, track_drift=acco.metrics.estimate_drift and acco.mode == "acco",
                    chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
                    lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
@@ -69,7 +72,8 @@ class ScheduleOptions:
         shard_optimizer.chunk_elems = chunk_elems
         return RoundContext(
             groups=groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,
-            rank=rank, world=world, gas_scale=self.gas_scale, clip_grad=self.clip_grad, nonfinite=self.nonfinite,
+            rank=rank, world=world, gas_scale=self.gas_scale, clip_grad=self.clip_grad, sum_ranks=self.sum_ranks,
+            nonfinite=self.nonfinite,
             reduce_scatter=reduce_scatter, track_drift=self.track_drift and self.mode == "acco",
             chunk_elems=chunk_elems, lr_power=self.lr_power, nominal_phase_micro_batches=self.nominal_phase * world,
             commit_phases=2 if self.mode == "acco" else 1, read_counts_first=read_counts_first,

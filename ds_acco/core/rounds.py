@@ -115,6 +115,7 @@ class RoundContext:
     world: int
     gas_scale: float  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A loss scaling)
     clip_grad: float  # clip the global mean gradient to this norm (0: off)
+    sum_ranks: bool = False  # DeepSpeed's gradient_allreduce_op "sum": world x the mean (stock's sum of rank means)
     nonfinite: str  # 'skip' or 'raise'
     reduce_scatter: bool  # reduce with a reduce-scatter (NCCL) rather than all-reduce + slice (gloo)
     track_drift: bool  # measure the estimate drift in commit rounds
@@ -269,6 +270,8 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         # The mean's denominator stays on the device: the round reads the host once, below.
         weight = table[:, 1].sum()
         denom = weight * ctx.gas_scale * loss_scale  # G carried ``loss_scale`` when it was packed
+        if ctx.sum_ranks:  # stock sums the ranks' means: the global mean times the number of ranks
+            denom = denom / ctx.world
         with record_function("ACCO::reduce"):
             grads = reduce_mean_grads(ctx, kind, denom)
         delay = None if sync else ctx.delay

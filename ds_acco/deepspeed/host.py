@@ -26,6 +26,7 @@ class DeepSpeedHost:
         self.model_parallel_group = model_parallel_group
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.clip_grad = zero_optimizer.clip_grad
+        self.sum_ranks = not zero_optimizer.gradient_average  # gradient_allreduce_op "sum"
         self.device = groups[0].live.device
         self.accelerator = accelerator
 

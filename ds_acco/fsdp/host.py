@@ -19,6 +19,7 @@ class FSDPHost:
     model_parallel_group = None
     accelerator = None  # torch's streams and events
     monitor = None
+    sum_ranks = False  # FSDP2's gradients are the mean over the ranks
 
     def __init__(self, adapter, process_group: Any, gradient_accumulation_steps: int, clip_grad: float):
         self.adapter = adapter

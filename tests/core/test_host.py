@@ -21,7 +21,7 @@ class _TestHost:
     def __init__(self, groups, optimizer, scheduler, device):
         self.groups, self.optimizer, self.scheduler, self.device = groups, optimizer, scheduler, device
         self.process_group = None
-        self.gradient_accumulation_steps, self.clip_grad = GAS, 0.0
+        self.gradient_accumulation_steps, self.clip_grad, self.sum_ranks = GAS, 0.0, False
         self.global_steps = self.skipped_steps = 0
         self.events = []
 
