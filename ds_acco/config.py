@@ -19,11 +19,14 @@ from .config_routing import (OPT_OUT_ENV, RUN_THROUGH_DS_ACCO, note_opt_out, opt
 # What ACCO refuses lives in ds_acco.core.refusals (one table); these names kept their old import
 # path. Resolved on first use: importing the config must not import the core.
 _IN_REFUSALS = ("LAYOUT_REFUSALS", "LOCKSTEP_FIX", "LOCKSTEP_WHY", "UNEVEN_STEPS", "ParallelLayout",
-                "caller_boundary_refusal", "check_deepspeed_compat", "check_layout", "check_lockstep",
+                "caller_boundary_refusal", "check_layout", "check_lockstep",
                 "check_schedule_compat")
 
 
 def __getattr__(name: str):
+    if name == "check_deepspeed_compat":  # every DeepSpeed key is classified, and checked, in config_keys
+        from .config_keys import check_deepspeed_compat
+        return check_deepspeed_compat
     if name in _IN_REFUSALS:
         from .core import refusals
         return getattr(refusals, name)

@@ -4,8 +4,8 @@ Every refusal is a row of :data:`REFUSALS` (a key, the setting refused, the reas
 raises a ``ValueError`` (its ``refusal`` attribute: the row's key) that reads ``found`` -- the setting as
 the adapter found it, with its value -- then the row's reason and fix. A plain ``ValueError``, so that
 callers and tracebacks see what they always saw. The DeepSpeed engine calls
-:func:`check_deepspeed_compat` with DeepSpeed's parsed config, :func:`check_layout` with the groups it
-built; ``AccoFSDP`` calls :func:`check_fsdp_model` with the FSDP parameters it took over; the driver
+``ds_acco.config_keys.check_deepspeed_compat`` with DeepSpeed's parsed config (every key classified
+there), :func:`check_layout` with the groups it built; ``AccoFSDP`` calls :func:`check_fsdp_model` with the FSDP parameters it took over; the driver
 calls :func:`check_estimate_variant` with its shard optimizer. Nothing here imports a framework: the
 adapters hand over plain values (sizes, dtypes, names).
 """
@@ -129,6 +129,20 @@ _ROWS = (
             "fp16 autocast makes DeepSpeed scale losses with a torch GradScaler that ACCO's rounds do not divide out",
             "set torch_autocast.dtype to \"bf16\", use the \"fp16\" block (DeepSpeed's loss scaler, supported), or "
             "disable acco"),
+    Refusal("unmanaged_accumulation", "managed_gradient_accumulation = false",
+            "the caller would run k backward() per step(), while ACCO ends a phase at every step() and counts "
+            "gradient_accumulation_steps micro-batches per optimizer step itself",
+            "remove it (or set true), set gradient_accumulation_steps to your k and call engine.step() after every "
+            "engine.backward(), or disable acco"),
+    Refusal("bf16_master_weights", "bf16.bf16_master_weights_and_grads",
+            "ACCO keeps fp32 master shards and steps them with fp32 gradients",
+            "remove bf16_master_weights_and_grads (and bf16_optimizer_states) or disable acco"),
+    Refusal("deepcompile", "compile.deepcompile", "DeepCompile inserts its own gradient reduction passes, which "
+            "ACCO's rounds replace", "remove compile.deepcompile or disable acco"),
+    Refusal("dynamic_batching", "data_efficiency.data_sampling.dynamic_batching.enabled",
+            "it sets each batch's size and learning rate on the optimizer per micro-batch, while ACCO's rounds "
+            "step with the learning rate captured when each round was launched",
+            "remove dynamic_batching (fixed micro-batches) or disable acco"),
     Refusal("zero_stage", "a ZeRO stage other than 1", "ACCO is a ZeRO stage 1 optimizer",
             "set \"zero_optimization\": {\"stage\": 1} or disable acco"),
     Refusal("optimizer_offload", "zero_optimization.offload_optimizer", "ACCO keeps the sharded optimizer on the "
@@ -261,25 +275,6 @@ def check_schedule_compat(acco, gradient_accumulation_steps: int, fp16=None) -> 
     if fp16_dynamic_loss_scale and acco.nonfinite == "raise":
         raise refuse("raise_on_overflow",
                      "acco.nonfinite = 'raise' with fp16 dynamic loss scaling (fp16.loss_scale = 0)")
-
-
-def check_deepspeed_compat(acco, ds) -> None:
-    """Refuse DeepSpeed settings ACCO would misinterpret. ``ds`` is a resolved ``DeepSpeedConfig``."""
-    check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
-    autocast_dtype = getattr(ds, "torch_autocast_dtype", None)
-    if getattr(ds, "torch_autocast_enabled", False) and autocast_dtype in (None, torch.float16):
-        raise refuse("fp16_autocast", f"torch_autocast.enabled = true with dtype {autocast_dtype or 'unset'}")
-    stage = ds.zero_config.stage if ds.zero_enabled else 0
-    if stage != 1:
-        raise refuse("zero_stage", f"zero_optimization.stage = {stage}")
-    offload = ds.zero_config.offload_optimizer
-    device = str(getattr(getattr(offload, "device", None), "value", getattr(offload, "device", "none")))
-    if offload is not None and device != "none":
-        raise refuse("optimizer_offload", f"zero_optimization.offload_optimizer.device = {device!r}")
-    if getattr(ds.zero_config, "zenflow", None) is not None:
-        raise refuse("zenflow", "zero_optimization.zenflow is set")
-    if getattr(ds, "hybrid_engine", None) is not None and ds.hybrid_engine.enabled:
-        raise refuse("hybrid_engine", "hybrid_engine.enabled = true")
 
 
 def check_lockstep(acco, collective: str) -> None:

@@ -20,12 +20,13 @@ from deepspeed.utils import logger
 from ..config import AccoConfig, acco_config_of
 from ..config_deepspeed import load_ds_config, requested_layout
 from ..config_routing import note_opt_out, opted_out
-from ..core.refusals import check_deepspeed_compat, check_layout, refuse, under_caller_boundary
+from ..config_keys import check_deepspeed_compat, replaced_keys
+from ..core.refusals import check_layout, refuse, under_caller_boundary
 from ..core.phases import FixedPhases
 from ..weights import ExportHooks
 from . import checkpoint
 from .layout import built_layout, check_ranks_agree
-from .optimizer import _REPLACED_KNOBS, AccoZeroOptimizer
+from .optimizer import AccoZeroOptimizer
 
 _PATCH_LOCK = threading.RLock()
 
@@ -69,10 +70,9 @@ class AccoEngine(DeepSpeedEngine):
         driver = self.optimizer.driver
         driver.install_sigterm(save=self.save_checkpoint)
         self._acco_exports = ExportHooks(self.module, driver.schedule)
-        explicit = self._config._param_dict.get("zero_optimization", {})
-        ignored = [k for k in _REPLACED_KNOBS if k in explicit]
+        ignored = replaced_keys(self._config._param_dict)
         if ignored and self.global_rank == 0:
-            logger.warning(f"ACCO owns gradient communication; zero_optimization keys {ignored} have no effect")
+            logger.warning(f"ACCO owns gradient communication; keys {ignored} have no effect (ds_acco/config_keys.py)")
         self._acco_unsynchronise_timers()
 
     def _acco_unsynchronise_timers(self) -> None:

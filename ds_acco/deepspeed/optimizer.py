@@ -57,11 +57,6 @@ def _follow_grads(optimizer_ref, group: int):
     return moved
 
 
-# Stock knobs that only shape DeepSpeed's own reduction, which ACCO replaces.
-_REPLACED_KNOBS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
-                   "allgather_bucket_size", "round_robin_gradients")
-
-
 class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
     """ZeRO-1 optimizer whose reduce / step / all-gather overlap the next micro-batches (ACCO.md).
 

@@ -6,7 +6,8 @@ import pytest
 
 import ds_acco
 from ds_acco.config import AccoConfig, acco_config_of, load_ds_config
-from ds_acco.core.refusals import REFUSALS, check_deepspeed_compat
+from ds_acco.config_keys import check_deepspeed_compat
+from ds_acco.core.refusals import REFUSALS
 from fixtures import ds_config
 from dist import run_ranks
 from timeouts import scaled
@@ -101,6 +102,14 @@ INIT_CASES = [  # (config overrides, model kind, words the message must hold, it
      "fp16_autocast"),
     ({"torch_autocast": {"enabled": True}}, "model", ["torch_autocast", "unset", "fix"], "fp16_autocast"),
     ({}, "pipeline", ["PipelineModule", "fix"], "pipeline_module"),
+    ({"managed_gradient_accumulation": False}, "model", ["managed_gradient_accumulation = false", "fix"],
+     "unmanaged_accumulation"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "model",
+     ["bf16.bf16_master_weights_and_grads = true", "fix"], "bf16_master_weights"),
+    ({"compile": {"deepcompile": True}}, "model", ["compile.deepcompile = true", "fix"], "deepcompile"),
+    ({"expert_parallel": {"enabled": True}}, "model", ["expert_parallel.enabled = true", "fix"], "moe_experts"),
+    ({"data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 64}}}},
+     "model", ["dynamic_batching.enabled = true", "fix"], "dynamic_batching"),
 ]
 
 
