@@ -18,7 +18,8 @@ deepspeed launcher puts before ``run`` is handed on to the script).
 
 ``check`` validates the ``"acco"`` block (every key, with its default when absent) and, when ACCO is
 enabled, the DeepSpeed settings it depends on (ZeRO stage, an even ``gradient_accumulation_steps``
-in mode ``acco``, fp16 loss-scaling options, bf16 with fp32 accumulation, offload, the parallel
+in mode ``acco``, fp16 loss-scaling options, bf16 with fp32 accumulation, offload, every refused key
+of ``ds_acco/config_keys.py``, the parallel
 layouts the config itself asks for: AutoTP, sequence parallelism), through DeepSpeed's own config
 parser, without starting any process group, at the data-parallel size ``--world-size N`` (under
 tensor / pipeline parallelism: GPUs / (TP x PP)). Without it the size is ``train_batch_size /
