@@ -89,6 +89,18 @@ class EstimateConfig(BaseModel):
     def paper(cls) -> "EstimateConfig":
         return cls(lr_scale=1.0, second_moment="update", delay_compensation=0.0)
 
+    def name(self) -> str:
+        """This estimate as the start-up banner names it: "the paper's", the default's name, or the
+        keys that depart from the paper's (docs/estimate.md specifies each)."""
+        if self == self.paper():
+            return "the paper's"
+        keys = [f"lr_scale={self.lr_scale:g}"] if self.lr_scale != 1.0 else []
+        keys += [f"second_moment={self.second_moment}"] if self.second_moment != "update" else []
+        keys += [f"delay_compensation={self.delay_compensation:g}"] if self.delay_compensation else []
+        default = " (the default)" if self == type(self)() else ""
+        kind = "look-ahead" if self.lr_scale > 1.0 else "variant"
+        return f"{kind} {', '.join(keys)}{default}"
+
 
 class AccoConfig(BaseModel):
     """Settings of the ``"acco"`` block (see the README's config reference)."""
