@@ -51,13 +51,24 @@ class DynamicConfig(BaseModel):
         return {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.lr_scaling]
 
 
+DRIFT_EVERY = 100  # the drift metric's default sampling: one commit in 100 pays its pass over the shard
+
+
 class MetricsConfig(BaseModel):
     """Per-step overlap metrics."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     log_every: int = Field(0, ge=0, description="Rank 0 logs a metrics line every N committed steps (0: never).")
-    estimate_drift: bool = Field(True, description="Measure |θ̃_{t+1} − θ_{t+1}| / |θ_{t+1} − θ_t| (acco mode).")
+    estimate_drift: bool = Field(True, description="Measure |θ̃_{t+1} − θ_{t+1}| / |θ_{t+1} − θ_t| and the "
+                                 "cosine of the two updates (acco mode), in the commits estimate_drift_every picks.")
+    estimate_drift_every: int = Field(
+        DRIFT_EVERY, ge=1, description="With estimate_drift: measure it in the commit of every N-th optimizer step "
+        "(steps 0, N, 2N, ...; 1: every commit). Each measured commit makes one extra pass over the shard.")
+
+    def drift_every(self) -> int:
+        """Every how many steps a commit measures the drift (0: never)."""
+        return self.estimate_drift_every if self.estimate_drift else 0
     monitor: bool = Field(True, description="Write the metrics through DeepSpeed's monitor (tensorboard, csv, "
                           "wandb blocks).")
 

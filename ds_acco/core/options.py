@@ -19,7 +19,7 @@ class ScheduleOptions:
     gas_scale: float = 1.0  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A)
     clip_grad: float = 0.0  # clip each round's global mean gradient to this norm (0: off)
     nonfinite: str = "skip"  # 'skip' or 'raise' on a non-finite global mean gradient
-    track_drift: bool = False  # measure the estimate drift in commit rounds (mode acco)
+    drift_every: int = 0  # measure the estimate drift in every N-th step's commit (mode acco; 0: never)
     chunk_elems: Optional[int] = None  # a round's window (elements); None: per device (chunking.py)
     history: int = 4096  # phases kept for metrics
     lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
@@ -47,7 +47,7 @@ class ScheduleOptions:
         """From an :class:`~ds_acco.config.AccoConfig` and the framework's accumulation count and clip."""
         return cls(mode=acco.mode, phases=acco.phase_policy(gradient_accumulation_steps),
                    gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0),
-                   nonfinite=acco.nonfinite, track_drift=acco.metrics.estimate_drift and acco.mode == "acco",
+                   nonfinite=acco.nonfinite, drift_every=acco.metrics.drift_every() if acco.mode == "acco" else 0,
                    chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
                    lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
                              if acco.accumulation == "dynamic" else 0.0),
@@ -70,7 +70,7 @@ class ScheduleOptions:
         return RoundContext(
             groups=groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,
             rank=rank, world=world, gas_scale=self.gas_scale, clip_grad=self.clip_grad, nonfinite=self.nonfinite,
-            reduce_scatter=reduce_scatter, track_drift=self.track_drift and self.mode == "acco",
+            reduce_scatter=reduce_scatter, drift_every=self.drift_every if self.mode == "acco" else 0,
             chunk_elems=chunk_elems, lr_power=self.lr_power, nominal_phase_micro_batches=self.nominal_phase * world,
             commit_phases=2 if self.mode == "acco" else 1, read_counts_first=read_counts_first,
             estimate_lr_scale=self.estimate_lr_scale, committed_second_moment=self.committed_second_moment,
