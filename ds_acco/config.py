@@ -51,6 +51,7 @@ class DynamicConfig(BaseModel):
         return {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.lr_scaling]
 
 
+MAX_CHUNK_ELEMENTS = 1 << 26  # acco.chunk_elements' hard bound (ds_acco.core.chunking.MAX_CHUNK_ELEMS)
 DRIFT_EVERY = 100  # the drift metric's default sampling: one commit in 100 pays its pass over the shard
 
 
@@ -146,10 +147,10 @@ class AccoConfig(BaseModel):
         1800.0, gt=0, description="Longest wait for a communication round before raising.")
     chunk_elements: Union[Literal["auto"], int] = Field(
         "auto", description="Rounds work through a shard in windows of at most this many elements (gradient "
-        "norm, drift metric, functional optimizer step): the bound on their temporaries (a few windows' worth), "
-        "and what their kernel count follows. 'auto': on CPU 2M elements and at most 1/64 of the shard "
-        "(not below 64K); on accelerators at least 64M elements, or the whole shard when its workspace fits in "
-        "1/16 of the free device memory. An integer >= 1024 overrides it.")
+        "norm, drift metric, functional optimizer step): the bound on their temporaries (a few windows' worth, "
+        "at most 24 bytes per element), and what their kernel count follows. 'auto': on CPU 2M elements and at "
+        "most 1/64 of the shard (not below 64K); on accelerators 64M elements (or the whole shard when smaller). "
+        "An integer from 1024 to 2**26 (64M) overrides it.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
     estimate: EstimateConfig = Field(default_factory=EstimateConfig, description="How the estimate round "
                                      "computes θ̃ (mode 'acco'); \"paper\" for the paper's estimate.")
@@ -176,8 +177,9 @@ class AccoConfig(BaseModel):
     def _chunk_elements(cls, v: Any) -> Any:
         if v == "auto" and isinstance(v, str):
             return v
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1024:
-            raise ValueError("must be \"auto\" (chosen per device) or an integer number of elements >= 1024")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1024 <= v <= MAX_CHUNK_ELEMENTS:
+            raise ValueError(f"must be \"auto\" (chosen per device) or an integer number of elements from 1024 to "
+                             f"{MAX_CHUNK_ELEMENTS} (2**26, the bound of a round's temporaries)")
         return v
 
     @classmethod

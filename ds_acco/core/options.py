@@ -61,11 +61,9 @@ class ScheduleOptions:
                       world: int, reduce_scatter: bool, read_counts_first: bool) -> RoundContext:
         """What these options make of every round of one schedule (see :class:`.schedule.AccoSchedule`'s
         arguments); the rounds' window is the user's, or chosen for the device and the shard (chunking.py)."""
-        # D first: the window is chosen from the device memory left once D is allocated.
         delay = DelayCompensation(groups, self.delay_compensation) if self.delay_compensation else None
         device = groups[0].comm.device
-        chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems,
-                                              chunking.free_memory(device))
+        chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems)
         shard_optimizer.chunk_elems = chunk_elems
         return RoundContext(
             groups=groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,
