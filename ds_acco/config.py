@@ -54,13 +54,25 @@ class DynamicConfig(BaseModel):
         return {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.lr_scaling]
 
 
+MAX_CHUNK_ELEMENTS = 1 << 26  # acco.chunk_elements' hard bound (ds_acco.core.chunking.MAX_CHUNK_ELEMS)
+DRIFT_EVERY = 100  # the drift metric's default sampling: one commit in 100 pays its pass over the shard
+
+
 class MetricsConfig(BaseModel):
     """Per-step overlap metrics."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     log_every: int = Field(0, ge=0, description="Rank 0 logs a metrics line every N committed steps (0: never).")
-    estimate_drift: bool = Field(True, description="Measure |θ̃_{t+1} − θ_{t+1}| / |θ_{t+1} − θ_t| (acco mode).")
+    estimate_drift: bool = Field(True, description="Measure |θ̃_{t+1} − θ_{t+1}| / |θ_{t+1} − θ_t| and the "
+                                 "cosine of the two updates (acco mode), in the commits estimate_drift_every picks.")
+    estimate_drift_every: int = Field(
+        DRIFT_EVERY, ge=1, description="With estimate_drift: measure it in the commit of every N-th optimizer step "
+        "(steps 0, N, 2N, ...; 1: every commit). Each measured commit makes one extra pass over the shard.")
+
+    def drift_every(self) -> int:
+        """Every how many steps a commit measures the drift (0: never)."""
+        return self.estimate_drift_every if self.estimate_drift else 0
     monitor: bool = Field(True, description="Write the metrics through DeepSpeed's monitor (tensorboard, csv, "
                           "wandb blocks).")
 
@@ -91,6 +103,18 @@ class EstimateConfig(BaseModel):
     @classmethod
     def paper(cls) -> "EstimateConfig":
         return cls(lr_scale=1.0, second_moment="update", delay_compensation=0.0)
+
+    def name(self) -> str:
+        """This estimate as the start-up banner names it: "the paper's", the default's name, or the
+        keys that depart from the paper's (docs/estimate.md specifies each)."""
+        if self == self.paper():
+            return "the paper's"
+        keys = [f"lr_scale={self.lr_scale:g}"] if self.lr_scale != 1.0 else []
+        keys += [f"second_moment={self.second_moment}"] if self.second_moment != "update" else []
+        keys += [f"delay_compensation={self.delay_compensation:g}"] if self.delay_compensation else []
+        default = " (the default)" if self == type(self)() else ""
+        kind = "look-ahead" if self.lr_scale > 1.0 else "variant"
+        return f"{kind} {', '.join(keys)}{default}"
 
 
 class AccoConfig(BaseModel):
@@ -126,10 +150,10 @@ class AccoConfig(BaseModel):
         1800.0, gt=0, description="Longest wait for a communication round before raising.")
     chunk_elements: Union[Literal["auto"], int] = Field(
         "auto", description="Rounds work through a shard in windows of at most this many elements (gradient "
-        "norm, drift metric, functional optimizer step): the bound on their temporaries (a few windows' worth), "
-        "and what their kernel count follows. 'auto': on CPU 2M elements and at most 1/64 of the shard "
-        "(not below 64K); on accelerators at least 64M elements, or the whole shard when its workspace fits in "
-        "1/16 of the free device memory. An integer >= 1024 overrides it.")
+        "norm, drift metric, functional optimizer step): the bound on their temporaries (a few windows' worth, "
+        "at most 24 bytes per element), and what their kernel count follows. 'auto': on CPU 2M elements and at "
+        "most 1/64 of the shard (not below 64K); on accelerators 64M elements (or the whole shard when smaller). "
+        "An integer from 1024 to 2**26 (64M) overrides it.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
     estimate: EstimateConfig = Field(default_factory=EstimateConfig, description="How the estimate round "
                                      "computes θ̃ (mode 'acco'); \"paper\" for the paper's estimate.")
@@ -156,8 +180,9 @@ class AccoConfig(BaseModel):
     def _chunk_elements(cls, v: Any) -> Any:
         if v == "auto" and isinstance(v, str):
             return v
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1024:
-            raise ValueError("must be \"auto\" (chosen per device) or an integer number of elements >= 1024")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1024 <= v <= MAX_CHUNK_ELEMENTS:
+            raise ValueError(f"must be \"auto\" (chosen per device) or an integer number of elements from 1024 to "
+                             f"{MAX_CHUNK_ELEMENTS} (2**26, the bound of a round's temporaries)")
         return v
 
     @classmethod

@@ -12,9 +12,12 @@ cost no more kernels than one flat DeepSpeed master of the same size.
 * an explicit ``acco.chunk_elements`` is taken as given;
 * CPU: 2 Mi elements, and at most 1/64 of the shard (not below 64 Ki), so small models do not pay
   the default's megabytes beside the compute lane's activations;
-* accelerators: launches cost more than bytes there, so at least 64 Mi elements (a 7B model's
-  shard on 8 ranks is then 14 windows), and the whole shard at once when its workspace fits in a
-  small share of the device's free memory.
+* accelerators: launches cost more than bytes there, so 64 Mi elements (a 7B model's shard on 8
+  ranks is then 14 windows), or the whole shard when it is smaller.
+
+Every chunk, chosen or given, is at most :data:`MAX_CHUNK_ELEMS` (64 Mi elements): a round's
+temporaries are then at most ``WORKSPACE_BYTES_PER_ELEMENT × chunk`` bytes (1.5 GiB), which on an
+accelerator the lane's side stream keeps cached between rounds (docs/design.md, "Memory per rank").
 """
 from __future__ import annotations
 
@@ -26,15 +29,14 @@ CPU_CHUNK_ELEMS = 1 << 21
 """CPU: 2 Mi elements, 8 MiB per fp32 buffer."""
 CPU_MIN_CHUNK_ELEMS = 1 << 16
 """CPU: the 1/64-of-the-shard bound never goes below this."""
-ACCELERATOR_MIN_CHUNK_ELEMS = 1 << 26
-"""Accelerators: 64 Mi elements at least (256 MiB per fp32 buffer)."""
+ACCELERATOR_CHUNK_ELEMS = 1 << 26
+"""Accelerators: 64 Mi elements (256 MiB per fp32 buffer)."""
+MAX_CHUNK_ELEMS = 1 << 26
+"""The hard bound of every chunk (``acco.chunk_elements`` above it is refused): 64 Mi elements."""
 WORKSPACE_BYTES_PER_ELEMENT = 24
 """The most any round function holds per chunk element at once: DeepSpeedCPUAdam's emulation
 (four fp32 buffers and one fp64); torch Adam's estimate holds four fp32 buffers (16), the norm one
-fp64 buffer (8), the drift metric two (16)."""
-FREE_MEMORY_SHARE = 16
-"""Unchunked on an accelerator when the shard's workspace fits in 1/16 of the free memory measured
-at set-up (activations and lazily created optimizer state come later)."""
+fp64 buffer (8), the drift metric two fp32 (8)."""
 ALIGN = 64
 """Windows split a tensor only at multiples of this many elements from its start (when the chunk
 is at least that large): kernels that treat a tensor's last ``numel % vector width`` elements
@@ -42,46 +44,22 @@ apart (torch's CPU fused Adam) then compute every element of a piece as they wou
 tensor."""
 
 
-def chunk_elements(device: Union[torch.device, str], shard_elems: int, requested: Optional[int] = None,
-                   free_bytes: Optional[int] = None) -> int:
-    """Elements per chunk for a round over ``shard_elems`` elements on ``device``.
+def chunk_elements(device: Union[torch.device, str], shard_elems: int, requested: Optional[int] = None) -> int:
+    """Elements per chunk for a round over ``shard_elems`` elements on ``device``, at most
+    :data:`MAX_CHUNK_ELEMS`.
 
-    ``requested``: the user's ``acco.chunk_elements`` (None: chosen here). ``free_bytes``: the
-    device's free memory (:func:`free_memory`), if known. A result at least ``shard_elems`` means
-    unchunked: buffers are never larger than what a call walks through."""
+    ``requested``: the user's ``acco.chunk_elements`` (None: chosen here). A result at least
+    ``shard_elems`` means unchunked: buffers are never larger than what a call walks through."""
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise ValueError(f"chunk_elements = {requested!r}: must be a positive integer; fix: pass an integer "
-                             "number of elements, or None to choose per device")
+        if isinstance(requested, bool) or not isinstance(requested, int) or not 1 <= requested <= MAX_CHUNK_ELEMS:
+            raise ValueError(f"chunk_elements = {requested!r}: must be an integer from 1 to {MAX_CHUNK_ELEMS} (the "
+                             "bound of a round's temporaries); fix: pass such a number of elements, or None to "
+                             "choose per device")
         return requested
     shard = max(1, int(shard_elems))
     if torch.device(device).type == "cpu":
         return min(CPU_CHUNK_ELEMS, max(CPU_MIN_CHUNK_ELEMS, shard // 64))
-    if shard <= ACCELERATOR_MIN_CHUNK_ELEMS:
-        return ACCELERATOR_MIN_CHUNK_ELEMS  # unchunked
-    if free_bytes is None:
-        return ACCELERATOR_MIN_CHUNK_ELEMS
-    fits = free_bytes // (WORKSPACE_BYTES_PER_ELEMENT * FREE_MEMORY_SHARE)
-    if fits >= shard:
-        return shard  # unchunked
-    return max(ACCELERATOR_MIN_CHUNK_ELEMS, fits - fits % ALIGN)
-
-
-def free_memory(device: Union[torch.device, str]) -> Optional[int]:
-    """Free bytes on an accelerator now; None on the CPU, the meta device, or a backend that cannot
-    say (the chunk then takes the accelerator floor)."""
-    device = torch.device(device)
-    if device.type in ("cpu", "meta"):
-        return None
-    accel = getattr(torch, "accelerator", None)
-    query = getattr(accel, "get_memory_info", None) or getattr(getattr(torch, device.type, None), "mem_get_info",
-                                                             None)
-    if query is None:
-        return None
-    try:
-        return int(query(device)[0])
-    except (RuntimeError, ValueError, AssertionError):  # a backend without the query: choose without it
-        return None
+    return ACCELERATOR_CHUNK_ELEMS  # the whole shard when smaller: buffers are sized min(chunk, what a call walks)
 
 
 class Piece(NamedTuple):

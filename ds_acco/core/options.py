@@ -20,7 +20,7 @@ class ScheduleOptions:
     clip_grad: float = 0.0  # clip each round's global mean gradient to this norm (0: off)
     sum_ranks: bool = False  # the ranks' gradients summed, not averaged (DeepSpeed's gradient_allreduce_op "sum")
     nonfinite: str = "skip"  # 'skip' or 'raise' on a non-finite global mean gradient
-    track_drift: bool = False  # measure the estimate drift in commit rounds (mode acco)
+    drift_every: int = 0  # measure the estimate drift in every N-th step's commit (mode acco; 0: never)
     chunk_elems: Optional[int] = None  # a round's window (elements); None: per device (chunking.py)
     history: int = 4096  # phases kept for metrics
     lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
@@ -50,7 +50,7 @@ class ScheduleOptions:
         reduction (``sum_ranks``: summed over the ranks, not averaged)."""
         return cls(mode=acco.mode, phases=acco.phase_policy(gradient_accumulation_steps),
                    gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0), sum_ranks=sum_ranks,
-                   nonfinite=acco.nonfinite, track_drift=acco.metrics.estimate_drift and acco.mode == "acco",
+                   nonfinite=acco.nonfinite, drift_every=acco.metrics.drift_every() if acco.mode == "acco" else 0,
                    chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
                    lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
                              if acco.accumulation == "dynamic" else 0.0),
@@ -64,17 +64,14 @@ class ScheduleOptions:
                       world: int, reduce_scatter: bool, read_counts_first: bool) -> RoundContext:
         """What these options make of every round of one schedule (see :class:`.schedule.AccoSchedule`'s
         arguments); the rounds' window is the user's, or chosen for the device and the shard (chunking.py)."""
-        # D first: the window is chosen from the device memory left once D is allocated.
         delay = DelayCompensation(groups, self.delay_compensation) if self.delay_compensation else None
         device = groups[0].comm.device
-        chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems,
-                                              chunking.free_memory(device))
+        chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems)
         shard_optimizer.chunk_elems = chunk_elems
         return RoundContext(
             groups=groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,
             rank=rank, world=world, gas_scale=self.gas_scale, clip_grad=self.clip_grad, sum_ranks=self.sum_ranks,
-            nonfinite=self.nonfinite,
-            reduce_scatter=reduce_scatter, track_drift=self.track_drift and self.mode == "acco",
+            nonfinite=self.nonfinite, reduce_scatter=reduce_scatter, drift_every=self.drift_every if self.mode == "acco" else 0,
             chunk_elems=chunk_elems, lr_power=self.lr_power, nominal_phase_micro_batches=self.nominal_phase * world,
             commit_phases=2 if self.mode == "acco" else 1, read_counts_first=read_counts_first,
             estimate_lr_scale=self.estimate_lr_scale, committed_second_moment=self.committed_second_moment,

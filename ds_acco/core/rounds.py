@@ -3,8 +3,8 @@ gather. Everything here runs on the communication lane and touches only B, the s
 optimizer (and reads the live weights' shard for the drift metric).
 
 Memory: the round works inside B. Gradients are reduced in place (all-reduce + slice on gloo,
-an in-place reduce-scatter elsewhere) and divided in place; norms and the drift are summed window
-by window through a few chunk-sized buffers (chunking.py); the estimate writes θ̃ straight into
+an in-place reduce-scatter elsewhere) and divided in place; norms and the drift (in the sampled
+commits only, drift.py) are summed window by window through a few chunk-sized buffers (chunking.py); the estimate writes θ̃ straight into
 this rank's segment of B's gather view (a functional step for SGD / Adam / AdamW, see
 functional_step.py) and the commit copies θ into it, and the all-gather runs in place.
 Shard-sized temporaries remain only where stock ZeRO-1 has them too: an fp32 copy of the gradient when gradients travel narrower than fp32 (DeepSpeed's
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..comm import collectives
-from .drift import drift_and_cosine, drift_sums
+from .drift import drift_and_cosine, drift_sums, sampled
 from .phases import RoundKind, Tally
 from .report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 from .shard_optimizer import global_norm_sq
@@ -118,7 +118,7 @@ class RoundContext:
     sum_ranks: bool = False  # DeepSpeed's gradient_allreduce_op "sum": world x the mean (stock's sum of rank means)
     nonfinite: str  # 'skip' or 'raise'
     reduce_scatter: bool  # reduce with a reduce-scatter (NCCL) rather than all-reduce + slice (gloo)
-    track_drift: bool  # measure the estimate drift in commit rounds
+    drift_every: int  # measure the estimate drift in the commit of every N-th step (0: never; drift.sampled)
     chunk_elems: int  # bound on a round's temporaries (elements)
     lr_power: float = 0.0  # dynamic mode's learning-rate rule (0: off), see lr_factor
     nominal_phase_micro_batches: int = 0  # one fixed-mode phase, all ranks
@@ -334,7 +334,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
             lr_factor = ctx.lr_factor(kind, sum(t.micro_batches for t in per_rank))
             with record_function(f"ACCO::{kind.value}_step"):
                 if kind is RoundKind.COMMIT:
-                    before = None if sync else _keep_shards_for_drift(ctx)
+                    before = None if sync else _keep_shards_for_drift(ctx, step)
                     ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
                         ctx.pending_drift = drift_sums(ctx.groups, before, ctx.chunk_elems, ctx.process_group)
@@ -364,10 +364,11 @@ def _check_counts(kind: RoundKind, step: int, per_rank: Sequence[Tally], reports
                            f"(micro-batches per rank: {[t.micro_batches for t in per_rank]})")
 
 
-def _keep_shards_for_drift(ctx: RoundContext) -> Optional[List[torch.Tensor]]:
+def _keep_shards_for_drift(ctx: RoundContext, step: int) -> Optional[List[torch.Tensor]]:
     """θ_t, kept for the drift metric in another rank's segment of B (free until the all-gather:
-    this rank only needs its own segment), so no shard-sized copy is allocated. Needs world > 1."""
-    if not ctx.track_drift or ctx.world < 2:
+    this rank only needs its own segment), so no shard-sized copy is allocated; None when the
+    commit of ``step`` is not sampled (:func:`.drift.sampled`). Needs world > 1."""
+    if not sampled(step, ctx.drift_every) or ctx.world < 2:
         return None
     other = (ctx.rank + 1) % ctx.world
     kept = [v for g in ctx.groups for v in g.shard_views(g.reduce_view(RoundKind.COMMIT), rank=other)]

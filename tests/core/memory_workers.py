@@ -18,7 +18,8 @@ def _model():
 
 def phase_end_allocations(acco: dict, optimizer: str = "adamw", extra: dict = None, steps: int = 3, gas: int = 4):
     """Train ``steps`` optimizer steps with rounds run inline (synchronous lane, so they run on
-    this thread, where the counter sees them); return, per phase end, what ACCO itself allocated
+    this thread, where the counter sees them), the drift metric measured in every commit (mode
+    acco; ``metrics.estimate_drift_every`` 1); return, per phase end, what ACCO itself allocated
     (the wrapped optimizer's own step is not counted: stock ZeRO-1 runs the same step)."""
     model = _model()
     opts = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
@@ -27,7 +28,8 @@ def phase_end_allocations(acco: dict, optimizer: str = "adamw", extra: dict = No
     opt = opts[optimizer](model.parameters())
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
            "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
-           "steps_per_print": 10 ** 9, "acco": {"synchronous": True, "chunk_elements": CHUNK, **acco}, **(extra or {})}
+           "steps_per_print": 10 ** 9, "acco": {"synchronous": True, "chunk_elements": CHUNK,
+                                        "metrics": {"estimate_drift_every": 1}, **acco}, **(extra or {})}
     with AllocCounter() as built:  # what the engine allocates for good (ACCO's G, B, ...)
         engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
     counter = AllocCounter()
@@ -47,8 +49,10 @@ def phase_end_allocations(acco: dict, optimizer: str = "adamw", extra: dict = No
             ends.append({"largest": counter.largest, "total_bytes": counter.total_bytes,
                          "report": counter.report(5)})
     shard = engine.optimizer.driver.schedule.groups[0].segment
+    records = engine.acco_metrics_history
+    drift = [("prev_step_estimate_drift" in r) for r in records]  # the sampled commits' drift, read with the next
     engine.destroy()
-    return {"ends": ends, "shard": shard, "built": sorted((a.storage_elems, str(a.dtype)) for a in built.allocations)}
+    return {"ends": ends, "shard": shard, "drift_records": drift, "built": sorted((a.storage_elems, str(a.dtype)) for a in built.allocations)}
 
 
 def cases(cases):

@@ -11,7 +11,7 @@ from ds_acco.core.shard_optimizer import ShardOptimizer, scaled_lr
 
 def _ctx(power):
     return RoundContext(groups=[], shard_optimizer=None, process_group=None, rank=0, world=2, gas_scale=0.25,
-                        clip_grad=0.0, nonfinite="skip", reduce_scatter=False, track_drift=False, chunk_elems=1024,
+                        clip_grad=0.0, nonfinite="skip", reduce_scatter=False, drift_every=0, chunk_elems=1024,
                         lr_power=power, nominal_phase_micro_batches=4, commit_phases=2)
 
 

@@ -2,7 +2,8 @@
 
 Counted with a TorchDispatchMode around every phase end (pack, round, swap) of a DeepSpeed
 ZeRO-1 run whose shard is 133k elements (8 budgets), with a 4096-element chunk: ACCO's own allocations stay
-chunk-sized, with the drift metric on, in every mode. Not counted: the wrapped optimizer's own
+chunk-sized, with the drift metric measured in every commit (``metrics.estimate_drift_every`` 1: every
+commit a sampled one), in every mode. Not counted: the wrapped optimizer's own
 step (stock ZeRO-1 runs it too). Counted and allowed: when gradients travel narrower than fp32,
 one fp32 copy of the shard's gradient per round -- what stock ZeRO-1 makes for its step.
 """
@@ -50,6 +51,9 @@ def test_rounds_allocate_only_chunks(runs, name):
         print(name, k, end["largest"], end["total_bytes"])
         assert end["largest"] <= BUDGET, f"phase end {k} allocated {end['largest']} elements:\n{end['report']}"
         assert end["total_bytes"] <= 16 * BUDGET * 8, end["report"]
+    # the sampled commits' drift was measured (and read with the next round) wherever it can be
+    measured = not (name.startswith("dpu") or name.endswith("warmup"))
+    assert run["drift_records"] == [False] + [measured] * (len(run["drift_records"]) - 1) and len(run["drift_records"]) > 1
 
 
 @pytest.mark.parametrize("dc,plain", [("acco-adamw-dc", "acco-adamw"),

@@ -34,9 +34,9 @@ CASES = {
                                 "dynamic": DYN}},
     # metrics: a lane whose rounds take 0.15 s; the loop either lets them finish first or not
     "hidden": {"optimizer": "sgd", "slow_lane": 0.15, "finish_rounds_first": True, "steps": 3,
-               "acco": {"enabled": True, "mode": "acco", "metrics": {"log_every": 1}}},
+               "acco": {"enabled": True, "mode": "acco", "metrics": {"log_every": 1, "estimate_drift_every": 1}}},
     "exposed": {"optimizer": "sgd", "slow_lane": 0.15, "steps": 3,
-                "acco": {"enabled": True, "mode": "acco", "metrics": {"log_every": 1}}},
+                "acco": {"enabled": True, "mode": "acco", "metrics": {"log_every": 1, "estimate_drift_every": 1}}},
 }
 
 

@@ -19,7 +19,11 @@ STEPS, GAS = 4, 4
 LAM = 1e3
 K = 2  # warm-up steps of STEPS
 CASES = [
-    {"name": "lr-scale-2-adamw", "estimate": {"lr_scale": 2.0}, "ref": {"lr_scale": 2.0}, "optimizer": "adamw"},
+    {"name": "lr-scale-2-adamw", "estimate": {"lr_scale": 2.0}, "ref": {"lr_scale": 2.0}, "optimizer": "adamw",
+     "metrics": {"estimate_drift_every": 1}},
+    # the drift metric sampled every 3 steps over 7: the commits of steps 0, 3 and 6 measure it
+    {"name": "drift-every-3", "lag_only": True, "estimate": {"lr_scale": 2.0}, "ref": {"lr_scale": 2.0},
+     "optimizer": "adamw", "steps": 7, "metrics": {"estimate_drift_every": 3}},
     {"name": "lr-scale-1.5-sgd", "estimate": {"lr_scale": 1.5}, "ref": {"lr_scale": 1.5}, "optimizer": "sgd"},
     {"name": "lr-scale-1.5-adamw-clip", "estimate": {"lr_scale": 1.5}, "ref": {"lr_scale": 1.5}, "optimizer": "adamw",
      "clip": 0.05},
@@ -41,7 +45,7 @@ CASES = [
      "ref": {"delay_compensation": LAM, "skip_estimate": (1,), "skip_commit": (1, 2)},
      "paper": {"skip_estimate": (1,), "skip_commit": (1, 2)}, "nan_at": [(1, 4)], "inf_grad_at": [(0, 11)]},
     {"name": "warmup-adamw", "warmup": K, "ref": {"sync_warmup_steps": K}, "optimizer": "adamw",
-     "probe_at": (3, 7, 9), "metrics": {"estimate_drift": True}},
+     "probe_at": (3, 7, 9), "metrics": {"estimate_drift": True, "estimate_drift_every": 1}},
     {"name": "warmup-sgd-lr1.5", "estimate": {"lr_scale": 1.5}, "warmup": 1,
      "ref": {"sync_warmup_steps": 1, "lr_scale": 1.5}, "optimizer": "sgd"},
     {"name": "warmup-dc-adamw-lr2", "estimate": {"delay_compensation": LAM, "lr_scale": 2.0}, "warmup": K,
@@ -84,7 +88,8 @@ def _reference(c, steps=None, mode="acco", **variant):
                          make_scheduler=make_scheduler("inv"), clip=c.get("clip", 0.0), **variant)
 
 
-VARIANTS = [c for c in CASES if c["ref"] and "acco" not in c and c["ref"].get("lr_scale") != PAPER_LR_SCALE]
+VARIANTS = [c for c in CASES if c["ref"] and "acco" not in c and c["ref"].get("lr_scale") != PAPER_LR_SCALE
+            and not c.get("lag_only")]
 
 
 @pytest.mark.parametrize("case", VARIANTS, ids=lambda c: c["name"])
@@ -176,12 +181,12 @@ def test_variants_needing_adams_second_moment_refuse_other_optimizers():
         assert "fix:" in message["refused"]
 
 
-def _reference_lag(case, **variant):
+def _reference_lag(case, steps=STEPS, **variant):
     """The reference's drift ‖θ̃_{t+1} − θ_{t+1}‖ / ‖θ_{t+1} − θ_t‖ and cosine of (θ̃_{t+1} − θ_t, θ_{t+1} − θ_t)
-    for t = 0 .. STEPS-2 (what the commit of step t measures)."""
+    for t = 0 .. steps-2 (what the commit of step t measures)."""
     thetas = [{n: p.detach().double() for n, p in TinyNet(seed=0).named_parameters()}]
     estimates = []
-    for t in range(1, STEPS):
+    for t in range(1, steps):
         log = []
         thetas.append(reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=t, mode="acco",
                                     make_optimizer=make_optimizer(case.get("ref_optimizer", case["optimizer"])),
@@ -189,7 +194,7 @@ def _reference_lag(case, **variant):
                                     estimate_log=log, **variant))
         estimates.append(log[-1])  # θ̃_t
     out = []
-    for t in range(STEPS - 1):
+    for t in range(steps - 1):
         est, th0, th1 = estimates[t], thetas[t], thetas[t + 1]
         sq = lambda a, b: sum(float(((a[n] - b[n]) ** 2).sum()) for n in th0)  # noqa: E731
         miss, commit, estimate = sq(est, th1), sq(th1, th0), sq(est, th0)
@@ -197,15 +202,25 @@ def _reference_lag(case, **variant):
     return out
 
 
-@pytest.mark.parametrize("name", ["default", "lr-scale-2-adamw"])
-def test_drift_and_cosine_metrics_are_the_references(runs, name):
-    """Each commit's drift and cosine (metrics 'prev_step_estimate_drift' / '_cos', reported with the
-    next commit) equal the reference's for the same step: the lag metric the fidelity table reports."""
+@pytest.mark.parametrize("name,measured", [("lr-scale-2-adamw", [0, 1, 2]), ("drift-every-3", [0, 3]),
+                                           ("default", [0])])
+def test_drift_and_cosine_metrics_are_the_references(runs, name, measured):
+    """The sampled commits' drift and cosine (metrics 'prev_step_estimate_drift' / '_cos', reported
+    with the next commit) equal the reference's for the same step: the lag metric the fidelity table
+    reports. Sampled (acco.metrics.estimate_drift_every): with 1 every commit's (the last one's is
+    never read: no round follows it), with 3 the commits of steps 0 and 3 (and 6, the last), by
+    default (100) step 0's only; on both ranks."""
     case = next(c for c in CASES if c["name"] == name)
-    want = _reference_lag(case, **case["ref"])
-    records = [m for m in runs[name][0]["metrics"] if "prev_step_estimate_drift" in m]
+    steps = case.get("steps", STEPS)
+    want = [lag for t, lag in enumerate(_reference_lag(case, steps, **case["ref"])) if t in measured]
+    for rank in (0, 1):
+        metrics = runs[name][rank]["metrics"]
+        assert len(metrics) == steps
+        records = [m for m in metrics if "prev_step_estimate_drift" in m]
+        assert [m["step"] for m in records] == [t + 2 for t in measured]  # commit t's, read with step t+1's
+        assert all("prev_step_estimate_cos" not in m for m in metrics if m not in records)
     got = [(m["prev_step_estimate_drift"], m["prev_step_estimate_cos"]) for m in records]
-    assert len(got) == len(want) == STEPS - 1
+    assert len(got) == len(want) == len(measured)
     for (d, c), (wd, wc) in zip(got, want):
         assert d == pytest.approx(wd, rel=1e-4) and c == pytest.approx(wc, rel=1e-4, abs=1e-5)
     assert max(d for d, _ in want) > 0.05 and min(c for _, c in want) < 0.9999  # not a degenerate case

@@ -23,12 +23,13 @@ BAD = {
     "dynamic.check_every": [0, -2, 1.0, "1", None, False],
     "metrics.log_every": [-1, 1.5, "10", None, True],
     "metrics.estimate_drift": ["yes", 1, None],
+    "metrics.estimate_drift_every": [0, -1, 1.5, "100", None, True],
     "metrics.monitor": ["on", 0, None],
 }
 VALID_KEYS = ["enabled", "mode", "accumulation", "weighting", "nonfinite", "synchronous", "comm_timeout_s",
               "chunk_elements", "dynamic", "metrics"]
 NESTED_KEYS = {"dynamic": ["min_micro_batches", "max_micro_batches", "check_every"],
-               "metrics": ["log_every", "estimate_drift", "monitor"]}
+               "metrics": ["log_every", "estimate_drift", "estimate_drift_every", "monitor"]}
 
 
 def misspell(rng, key):
