@@ -9,13 +9,20 @@ the time the estimate θ̃. Two ways to read the committed θ instead:
   ``get_model_state_dict``): :class:`ExportHooks`, which both adapters install, *hold* θ in place
   (``AccoSchedule.hold_committed_weights``: no copy, no collective) until the next training
   micro-batch puts the live weights back, bit for bit. Between, a forward in eval mode without
-  autograd (an evaluation) also runs on θ.
+  autograd (an evaluation) also runs on θ. The tensors it returns alias the model's weights, as
+  stock's do, and keep θ until the next optimizer step, as stock's do (DeepSpeed: training goes on
+  in B meanwhile, see ds_acco/core/committed.py), so a background reader (torch DCP's
+  ``async_save``, an upload) that reads before then gets θ.
+
+And :func:`on_commit`, for what averages the weights once per optimizer step (an EMA, SWA): after
+``step()`` the parameters are the estimate half the time, so it runs when each committed θ_t is first
+in the model instead, without waiting for anything.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -36,6 +43,25 @@ def committed_weights(engine):
     inner = hook() if hook is not None else contextlib.nullcontext()
     with inner:
         yield engine
+
+
+def on_commit(engine, fn: Callable[[int], None]) -> RemovableHandle:
+    """Call ``fn(t)`` once per committed optimizer step t, in order, when the model's parameters
+    first hold θ_t (on the training thread, inside the ``backward()``/``step()`` that ends the
+    phase, an export, ``committed_weights`` or ``destroy()`` / ``close()``): an EMA or SWA of the
+    weights reads ``model.parameters()`` there and averages exactly the committed θ_1, θ_2, ...,
+    as stock's averages its weights after each ``step()``. Costs no wait. Returns a handle whose
+    ``remove()`` stops the calls. ``engine``: an ACCO engine or ``AccoFSDP``; a stock engine has no
+    estimate: update after its ``step()`` directly."""
+    schedule = getattr(engine, "schedule", None) or getattr(getattr(engine, "optimizer", None), "schedule", None)
+    if schedule is None:
+        raise TypeError(f"ds_acco.on_commit: {type(engine).__name__} is not an ACCO engine (ds_acco.initialize "
+                        "with acco.enabled, or AccoFSDP); fix: with a stock engine update the average after "
+                        "engine.step() at each optimizer step, where its weights are the new ones")
+    observers = schedule.committed.observers
+    handle = RemovableHandle(observers)
+    observers[handle.id] = fn
+    return handle
 
 
 class ExportHooks:
@@ -76,11 +102,12 @@ class ExportHooks:
         if schedule.holds_committed_weights and self._forward is None:
             self._forward = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
-    def release(self) -> None:
-        """Put the live weights the schedule runs on back (no-op when nothing is held)."""
+    def release(self, settle: bool = False) -> None:
+        """Put the live weights the schedule runs on back (no-op when nothing is held; ``settle``:
+        before a load writes the parameters, see ``CommittedWeights.release``)."""
         schedule = self._schedule()
         if schedule is not None:
-            schedule.release_committed_weights()  # not inside a committed_weights() block
+            schedule.release_committed_weights(settle)  # not inside a committed_weights() block
         if schedule is None or not schedule.holds_committed_weights:
             self._unregister_forward()
 
