@@ -71,10 +71,11 @@ class ExportHooks:
     :meth:`~ds_acco.core.committed.CommittedWeights.hold`). While θ is held, a
     global forward pre-hook waits for the next forward of one of the model's modules that may be
     training (training mode, or autograd recording) and puts the live weights back before it runs;
-    the schedule itself does so at the next backward or ``step()``. So an export costs two in-place
-    exchanges and no allocation, and training continues on exactly the trajectory it would have
-    had; during training no hook runs at all. The tensors a ``state_dict()`` returns share storage
-    with the model, as in PyTorch: save or copy them before training on.
+    the schedule itself does so at the next backward or ``step()``. So an export costs one in-place
+    exchange (and, where the adapter re-points its parameters, no second one) and no allocation, and
+    training continues on exactly the trajectory it would have had; during training no hook runs at
+    all. The tensors a ``state_dict()`` returns share storage with the model, as in PyTorch, and
+    keep θ until the next optimizer step (DeepSpeed; FSDP2: until a round steps the master shards).
 
     ``settle_shards``: the export reads the optimizer's master shards (FSDP2's sharded
     parameters), which an estimate round may step in place; it is then waited for too.
