@@ -14,7 +14,8 @@ import threading
 import torch
 
 import ds_acco
-from fixtures import TinyNet, batch, ds_config, make_optimizer
+from export_workers import _feed
+from fixtures import TinyNet, ds_config, make_optimizer
 
 GAS = 4
 
@@ -26,18 +27,6 @@ def _engine(acco):
     init = deepspeed.initialize if acco is None else ds_acco.initialize
     engine, *_ = init(model=model, optimizer=make_optimizer("adamw")(model), config=cfg)
     return engine
-
-
-def _feed(engine, start: int, stop: int, after_step=None) -> list:
-    rank, losses = int(os.environ["RANK"]), []
-    for i in range(start, stop):
-        loss = engine(*(t.to(engine.device) for t in batch(rank, i)))
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-        if after_step is not None:
-            after_step(i)
-    return losses
 
 
 def _snapshot(module) -> dict:

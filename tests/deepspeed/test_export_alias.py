@@ -19,7 +19,8 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((t - b[n]).abs().max()) for n, t in a.items())
 
 
-@pytest.mark.parametrize("acco", [None, ACCO, {"mode": "dpu"}], ids=["stock", "acco", "dpu"])
+@pytest.mark.parametrize("acco", [None, ACCO, pytest.param({"mode": "dpu"}, marks=pytest.mark.slow)],
+                         ids=["stock", "acco", "dpu"])
 def test_async_save_writes_the_weights_of_the_call(tmp_path, acco):
     """``dcp.async_save(model.state_dict())`` at a step boundary and mid-phase, staged in DCP's
     background thread a micro-batch or two later (before the next optimizer step): the saved
