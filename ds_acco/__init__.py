@@ -12,7 +12,7 @@ import importlib
 
 from .config import AccoConfig
 from .install import install, installed, uninstall
-from .weights import committed_weights
+from .weights import committed_weights, on_commit
 
 __version__ = "0.1.0"
 
@@ -30,4 +30,4 @@ def __getattr__(name):
 
 
 __all__ = ["AccoConfig", "AccoEngine", "AccoZeroOptimizer", "committed_weights", "initialize", "install",
-           "installed", "uninstall", "__version__"]
+           "installed", "on_commit", "uninstall", "__version__"]

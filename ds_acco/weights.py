@@ -9,13 +9,20 @@ the time the estimate θ̃. Two ways to read the committed θ instead:
   ``get_model_state_dict``): :class:`ExportHooks`, which both adapters install, *hold* θ in place
   (``AccoSchedule.hold_committed_weights``: no copy, no collective) until the next training
   micro-batch puts the live weights back, bit for bit. Between, a forward in eval mode without
-  autograd (an evaluation) also runs on θ.
+  autograd (an evaluation) also runs on θ. The tensors it returns alias the model's weights, as
+  stock's do, and keep θ until the next optimizer step, as stock's do (DeepSpeed: training goes on
+  in B meanwhile, see ds_acco/core/committed.py), so a background reader (torch DCP's
+  ``async_save``, an upload) that reads before then gets θ.
+
+And :func:`on_commit`, for what averages the weights once per optimizer step (an EMA, SWA): after
+``step()`` the parameters are the estimate half the time, so it runs when each committed θ_t is first
+in the model instead, without waiting for anything.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -38,6 +45,25 @@ def committed_weights(engine):
         yield engine
 
 
+def on_commit(engine, fn: Callable[[int], None]) -> RemovableHandle:
+    """Call ``fn(t)`` once per committed optimizer step t, in order, when the model's parameters
+    first hold θ_t (on the training thread, inside the ``backward()``/``step()`` that ends the
+    phase, an export, ``committed_weights`` or ``destroy()`` / ``close()``): an EMA or SWA of the
+    weights reads ``model.parameters()`` there and averages exactly the committed θ_1, θ_2, ...,
+    as stock's averages its weights after each ``step()``. Costs no wait. Returns a handle whose
+    ``remove()`` stops the calls. ``engine``: an ACCO engine or ``AccoFSDP``; a stock engine has no
+    estimate: update after its ``step()`` directly."""
+    schedule = getattr(engine, "schedule", None) or getattr(getattr(engine, "optimizer", None), "schedule", None)
+    if schedule is None:
+        raise TypeError(f"ds_acco.on_commit: {type(engine).__name__} is not an ACCO engine (ds_acco.initialize "
+                        "with acco.enabled, or AccoFSDP); fix: with a stock engine update the average after "
+                        "engine.step() at each optimizer step, where its weights are the new ones")
+    observers = schedule.committed.observers
+    handle = RemovableHandle(observers)
+    observers[handle.id] = fn
+    return handle
+
+
 class ExportHooks:
     """Every ``state_dict()`` of ``module`` (or of any module inside it) reads the committed θ.
 
@@ -45,10 +71,11 @@ class ExportHooks:
     :meth:`~ds_acco.core.committed.CommittedWeights.hold`). While θ is held, a
     global forward pre-hook waits for the next forward of one of the model's modules that may be
     training (training mode, or autograd recording) and puts the live weights back before it runs;
-    the schedule itself does so at the next backward or ``step()``. So an export costs two in-place
-    exchanges and no allocation, and training continues on exactly the trajectory it would have
-    had; during training no hook runs at all. The tensors a ``state_dict()`` returns share storage
-    with the model, as in PyTorch: save or copy them before training on.
+    the schedule itself does so at the next backward or ``step()``. So an export costs one in-place
+    exchange (and, where the adapter re-points its parameters, no second one) and no allocation, and
+    training continues on exactly the trajectory it would have had; during training no hook runs at
+    all. The tensors a ``state_dict()`` returns share storage with the model, as in PyTorch, and
+    keep θ until the next optimizer step (DeepSpeed; FSDP2: until a round steps the master shards).
 
     ``settle_shards``: the export reads the optimizer's master shards (FSDP2's sharded
     parameters), which an estimate round may step in place; it is then waited for too.
@@ -76,11 +103,12 @@ class ExportHooks:
         if schedule.holds_committed_weights and self._forward is None:
             self._forward = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
-    def release(self) -> None:
-        """Put the live weights the schedule runs on back (no-op when nothing is held)."""
+    def release(self, settle: bool = False) -> None:
+        """Put the live weights the schedule runs on back (no-op when nothing is held; ``settle``:
+        before a load writes the parameters, see ``CommittedWeights.release``)."""
         schedule = self._schedule()
         if schedule is not None:
-            schedule.release_committed_weights()  # not inside a committed_weights() block
+            schedule.release_committed_weights(settle)  # not inside a committed_weights() block
         if schedule is None or not schedule.holds_committed_weights:
             self._unregister_forward()
 

@@ -141,6 +141,18 @@ class BufferGroup(abc.ABC):
     def swap_live_and_gathered(self) -> None:
         """Exchange the live weights and the gathered parameters in B (``committed_weights``)."""
 
+    @property
+    def lends_live(self) -> bool:
+        """Whether :meth:`point_live` can move the model between the live weights and B's gathered
+        parameters by reference (the parameters are views the adapter re-points)."""
+        return False
+
+    def point_live(self, at_gathered: bool) -> None:
+        """The model's parameters view B's gathered parameters (``at_gathered``) or the live weights
+        again: no copy. After a hold the live weights keep θ for what an export aliased while the
+        compute lane runs on the other buffer (see :mod:`.committed`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot re-point its parameters")
+
     # -- in-flight state for checkpoints: G whole, the rest as this rank's shard ------------------
     def export_state(self, swapped: bool) -> dict:
         """G, and this rank's shard of the live weights and of B's gathered parameters, as the
@@ -191,6 +203,9 @@ class FlatBuffers(BufferGroup):
         # Called with the new G after G and B swapped storage (pack_grads): the adapter re-points
         # the parameters' gradient views.
         self.on_grads_moved: Optional[Callable[[torch.Tensor], None]] = None
+        # Called with a flat tensor laid out like ``live`` (``live`` itself or B's gather view): the
+        # adapter re-points the parameters at it (point_live).
+        self.on_live_moved: Optional[Callable[[torch.Tensor], None]] = None
 
     @property
     def shard_params(self) -> List[torch.Tensor]:
@@ -249,6 +264,13 @@ class FlatBuffers(BufferGroup):
 
     def swap_live_and_gathered(self) -> None:
         swap_(self.live, self.gather_view())
+
+    @property
+    def lends_live(self) -> bool:
+        return self.on_live_moved is not None
+
+    def point_live(self, at_gathered: bool) -> None:
+        self.on_live_moved(self.gather_view() if at_gathered else self.live)
 
     def layout(self) -> list:
         return [self.world * self.segment, str(self.comm_dtype), str(self.live_dtype)]

@@ -10,11 +10,21 @@ place (no copy, nothing allocated on the lane):
   ``state_dict()``, ``model.eval()`` under ``ds_acco.install()``: θ stays until the compute lane's
   next micro-batch (the adapters' forward hook, ``before_backward``, the phase-end decision, the
   phase end) exchanges back, bit for bit, so training goes on as without it; once closed, for good.
+
+An export's tensors alias the live weights, as stock's alias its parameters, and must stay θ until
+the next optimizer step, as stock's do. Where the adapter can re-point its parameters
+(:attr:`.buffers.BufferGroup.lends_live`, DeepSpeed's flat groups), the way back after a hold or a
+block is not an exchange: the model's parameters are *lent* B's gathered parameters (the weights the
+compute lane runs on), and the live weights keep θ. B is idle until the phase end that collects the
+round, where θ is exactly what would be unpacked into the live weights: the parameters point back
+and nothing is copied. So an export keeps θ until the next optimizer step's phase end, and the
+way back costs no copy at all.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import ContextManager, Optional, Protocol, Sequence
+from typing import Callable, ContextManager, Dict, Optional, Protocol, Sequence
 
 from .buffers import BufferGroup
 from .inflight import InFlight
@@ -70,14 +80,22 @@ class CommittedWeights:
         self.groups = list(groups)
         self.rounds = rounds
         self.shard_optimizer = shard_optimizer
-        self._swapped = False  # live and gathered exchanged: inside committed_weights, or held
+        self._swapped = False  # live and gathered exchanged: inside committed_weights, held, or lent
+        self._lent = False  # exchanged, and the parameters view B's gathered part (the compute lane's)
         self._held = False  # the exchange is a hold (hold), undone by the next micro-batch
         self._pinned = 0  # committed_weights() blocks entered while held: no release inside them
+        # called with t once θ_t is in the live weights (ds_acco.on_commit: RemovableHandle's keys)
+        self.observers: Dict[int, Callable[[int], None]] = collections.OrderedDict()
 
     @property
     def swapped(self) -> bool:
-        """Whether the live weights hold θ and B what the compute lane runs on (in a block, or held)."""
+        """Whether the live weights hold θ and B what the compute lane runs on (in a block, held, or
+        lent: then the model's parameters view B)."""
         return self._swapped
+
+    @property
+    def _on_theta(self) -> bool:
+        return self._swapped and not self._lent
 
     @contextlib.contextmanager
     def committed_weights(self):
@@ -96,7 +114,7 @@ class CommittedWeights:
         rounds = self.rounds
         if rounds.agrees_drains:
             rounds.drain()  # on every rank, whatever the kind in flight: drains must pair up
-        if self._swapped:  # held: θ is in place; nothing releases it inside the block, the hold resumes after
+        if self._on_theta:  # held: θ is in place; nothing releases it inside the block, the hold resumes after
             self._pinned += 1
             try:
                 yield
@@ -105,15 +123,15 @@ class CommittedWeights:
             return
         inflight = rounds.inflight
         swap = inflight is not None and inflight.kind is RoundKind.COMMIT
-        if swap:  # B holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu)
+        if swap:  # B holds θ_{t+1}, live holds θ̃_{t+1} (acco) or θ_t (dpu); or lent: the other way round
             if not rounds.agrees_drains:
                 rounds.drain()
-            self._swap_live_and_gathered()
+            self._to_theta(inflight)
         try:
             yield
         finally:
             if swap:
-                self._swap_live_and_gathered()
+                self._to_compute()
 
     def hold(self, agreed: bool = False, settle_shards: bool = False) -> None:
         """Put the newest committed θ into the live weights and leave it there until the compute
@@ -132,7 +150,7 @@ class CommittedWeights:
         (FSDP2's ``state_dict()``), and an estimate round of an optimizer without a functional
         estimate steps them in place (then restores them): it is waited for as well.
         """
-        if self._swapped:
+        if self._on_theta:
             return
         rounds = self.rounds
         with rounds.off_the_clock():
@@ -149,16 +167,22 @@ class CommittedWeights:
             rounds.wait_for(inflight)
             if estimate:
                 return
-            self._swap_live_and_gathered()
+            self._to_theta(inflight)
             self._held = True
 
-    def release(self) -> None:
-        """Undo :meth:`hold`: the live weights the schedule runs on are back, bit for bit. No-op
-        when nothing is held, inside a ``committed_weights()`` block (even one entered while held),
-        and once closed (a closed schedule leaves θ in the model)."""
+    def release(self, settle: bool = False) -> None:
+        """Undo :meth:`hold`: the model runs on the weights the schedule runs on, bit for bit
+        (lent: by reference, the live weights keep θ). No-op when nothing is held, inside a
+        ``committed_weights()`` block (even one entered while held), and once closed (a closed
+        schedule leaves θ in the model). ``settle``: a load is about to write the parameters:
+        nothing stays lent (the parameters view the live weights, which hold what the compute lane
+        runs on)."""
         if self._held and not self.rounds.closed and not self._pinned:
-            self._swap_live_and_gathered()
+            self._to_compute()
             self._held = False
+        if settle and self._lent:
+            self._point(at_gathered=False)
+            self._swap_live_and_gathered()
 
     @property
     def holds(self) -> bool:
@@ -168,8 +192,48 @@ class CommittedWeights:
 
     def forget(self) -> None:
         """End an exchange without undoing it: the caller overwrites the live weights and B (a
-        load) or takes them as they are (a reset: θ, if held)."""
+        load) or takes them as they are (a reset: θ, if held or lent)."""
+        if self._lent:
+            self._point(at_gathered=False)
         self._swapped = self._held = False
+
+    def unpack(self, inflight) -> None:
+        """The phase end collected ``inflight``: its parameters into the live weights. Lent, the
+        live weights hold them already (the hold put them there): the parameters point back."""
+        if self._lent:
+            self._point(at_gathered=False)
+            self._swapped = False
+        else:
+            for g in self.groups:
+                g.unpack_into_live()
+        self.announce(inflight)
+
+    def announce(self, inflight) -> None:
+        """A commit's θ is in the live weights for the first time: tell the observers (once)."""
+        if inflight.kind is RoundKind.COMMIT and not inflight.announced:
+            inflight.announced = True
+            for observe in list(self.observers.values()):
+                observe(inflight.step + 1)
+
+    def _to_theta(self, inflight) -> None:
+        """The model onto θ (the commit ``inflight``'s): point back when lent, else exchange."""
+        if self._lent:
+            self._point(at_gathered=False)
+        else:
+            self._swap_live_and_gathered()
+        self.announce(inflight)
+
+    def _to_compute(self) -> None:
+        """The model back onto the compute lane's weights: lent where every group can, else exchanged."""
+        if all(g.lends_live for g in self.groups):
+            self._point(at_gathered=True)
+        else:
+            self._swap_live_and_gathered()
+
+    def _point(self, at_gathered: bool) -> None:
+        for g in self.groups:
+            g.point_live(at_gathered)
+        self._lent = at_gathered
 
     def _swap_live_and_gathered(self) -> None:
         for g in self.groups:

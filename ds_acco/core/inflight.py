@@ -17,5 +17,6 @@ class InFlight:
     step: int
     result: Optional[RoundResult] = None  # set once waited for
     committed: bool = False  # commit bookkeeping done (at a drain or a swap)
+    announced: bool = False  # a commit's θ reached the live weights; its observers were called
     wait_s: float = 0.0  # how long the compute lane blocked on it
     wait_mark: Optional[float] = None  # wait_s before a phase-end decision waited for it (dynamic mode)

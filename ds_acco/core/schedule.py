@@ -252,9 +252,9 @@ class AccoSchedule:
         """θ in the live weights until the next micro-batch (:meth:`.committed.CommittedWeights.hold`)."""
         self.committed.hold(agreed=agreed, settle_shards=settle_shards)
 
-    def release_committed_weights(self) -> None:
+    def release_committed_weights(self, settle: bool = False) -> None:
         """Undo a hold (:meth:`.committed.CommittedWeights.release`)."""
-        self.committed.release()
+        self.committed.release(settle)
 
     @property
     def holds_committed_weights(self) -> bool:
@@ -386,7 +386,6 @@ class AccoSchedule:
         inflight = self._inflight
         waited_before = inflight.wait_s if inflight.wait_mark is None else inflight.wait_mark
         self.wait_for(inflight)
-        for g in self.groups:
-            g.unpack_into_live()
+        self.committed.unpack(inflight)
         self._inflight = None
         return inflight.wait_s - waited_before

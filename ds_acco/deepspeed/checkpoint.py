@@ -36,7 +36,7 @@ def load(engine, stock_load, load_dir, tag=None, **kwargs):
     """``engine.load_checkpoint``: DeepSpeed's load (``stock_load``); then ACCO's in-flight state is
     restored when the checkpoint has it for this world size, otherwise a fresh phase starts at the
     loaded (committed) weights."""
-    engine._acco_leave_committed_weights()
+    engine._acco_leave_committed_weights(settle=True)  # DeepSpeed's load writes the flat live weights
     schedule = engine._acco_driver().schedule
     schedule.drain()
     engine.optimizer.pending_acco_state = None

@@ -304,11 +304,12 @@ class AccoEngine(DeepSpeedEngine):
         if exports is not None and installed():
             exports.hold(agreed=True)
 
-    def _acco_leave_committed_weights(self) -> None:
-        """Back on the live weights after a hold (``eval()``, an export's ``state_dict()``)."""
+    def _acco_leave_committed_weights(self, settle: bool = False) -> None:
+        """Back on the live weights after a hold (``eval()``, an export's ``state_dict()``);
+        ``settle``: before a load, the parameters view the flat live weights again."""
         exports = self.__dict__.get("_acco_exports")
         if exports is not None:
-            exports.release()
+            exports.release(settle)
 
     def destroy(self):
         """ACCO's drain, then DeepSpeed's destroy -- always, even when the drain raises (a round

@@ -47,13 +47,14 @@ def _adder(views: list, k: int):
     return hook
 
 
-def _follow_grads(optimizer_ref, group: int):
-    """The groups' callback when G moves. Holds the optimizer weakly: the lane's thread reaches the
-    groups, and a strong reference back would keep an abandoned engine alive (never collected)."""
-    def moved(grads: torch.Tensor) -> None:
+def _follow(optimizer_ref, group: int, what: str):
+    """The groups' callback when G (``what`` = "grads") or the parameters' storage ("live") moves.
+    Holds the optimizer weakly: the lane's thread reaches the groups, and a strong reference back
+    would keep an abandoned engine alive (never collected)."""
+    def moved(flat: torch.Tensor) -> None:
         optimizer = optimizer_ref()
         if optimizer is not None:
-            optimizer._grads_moved(group, grads)
+            getattr(optimizer, f"_{what}_moved")(group, flat)
     return moved
 
 
@@ -118,7 +119,8 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             for k, (p, _) in enumerate(self._grad_views):
                 self._accumulate_hooks.append(p.register_post_accumulate_grad_hook(_adder(self._grad_views, k)))
         for i, g in enumerate(groups):
-            g.on_grads_moved = _follow_grads(weakref.ref(self), i)
+            g.on_grads_moved = _follow(weakref.ref(self), i, "grads")
+            g.on_live_moved = _follow(weakref.ref(self), i, "live")
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
         device = groups[0].live.device
         self.driver = AccoDriver(acco_config, DeepSpeedHost(
@@ -148,6 +150,13 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             self._grad_views[k] = (p, view)
             if not self._accumulate_hooks:
                 p.grad = view
+
+    def _live_moved(self, group: int, flat: torch.Tensor) -> None:
+        """The parameters of ``group`` view ``flat`` (the flat live weights, or B's gathered
+        parameters while an export keeps θ in the live weights: see core/committed.py)."""
+        for k, offset in self._grad_entries[group]:
+            p = self._grad_views[k][0]
+            p.data = flat.narrow(0, offset, p.numel()).view_as(p)
 
     def backward_prologue(self):
         # Someone (module.zero_grad(), a trainer) may have dropped p.grad; autograd must keep

@@ -376,7 +376,8 @@ def _engine(acco: dict):
     return engine
 
 
-def _feed(engine, start: int, stop: int) -> list:
+def _feed(engine, start: int, stop: int, after_step=None) -> list:
+    """Micro-batches ``start..stop-1`` of this rank's data; ``after_step(i)`` after each ``step()``."""
     from fixtures import batch
     rank, losses = int(os.environ["RANK"]), []
     for i in range(start, stop):
@@ -384,6 +385,8 @@ def _feed(engine, start: int, stop: int) -> list:
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
+        if after_step is not None:
+            after_step(i)
     return losses
 
 
