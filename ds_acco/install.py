@@ -1,5 +1,6 @@
 """``ds_acco.install()``: make code that calls ``deepspeed.initialize`` itself (HF Trainer,
-Accelerate, Lightning's ``DeepSpeedStrategy``, Megatron-style scripts) honour the ``"acco"`` block of its DeepSpeed config.
+Accelerate, Lightning's ``DeepSpeedStrategy``, Megatron-style scripts) honour the ``"acco"`` block
+of its DeepSpeed config.
 
     import ds_acco
     ds_acco.install()          # once, before the trainer builds its engine
