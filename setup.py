@@ -3,6 +3,7 @@ import shutil
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "ds_acco_autoinstall.pth"  # DS_ACCO_INSTALL=1: ds_acco.install() when deepspeed is imported
 
@@ -20,6 +21,35 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
 
 
+class EditableWheelWithPth(editable_wheel):
+    """``pip install -e`` ships the guard too: setuptools' editable wheel holds only its own path
+    ``.pth`` (or finder) and never runs build_py's copy into site-packages, so the top-level .pth
+    is written next to it, with the same content (it finds ds_acco through the editable finder).
+    ``_select_strategy`` is setuptools' (>= 64) hook that writes the editable wheel's files."""
+
+    def _select_strategy(self, *args, **kwargs):
+        return _WithPth(super()._select_strategy(*args, **kwargs))
+
+
+class _WithPth:
+    """An editable strategy (a context manager called with the wheel) that adds the .pth."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+
+    def __enter__(self):
+        self._strategy.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._strategy.__exit__(*exc)
+
+    def __call__(self, wheel, files, mapping):
+        self._strategy(wheel, files, mapping)
+        with open(PTH, "rb") as f:
+            wheel.writestr(PTH, f.read())
+
+
 setup(
     name="ds_acco",
     version="0.1.0",
@@ -30,7 +60,7 @@ setup(
     # The library only: benchmarks/ (A/B runner, emulation, demo model and data), tests/, examples/ and
     # scripts/ run from a checkout and stay out of the wheel.
     packages=find_packages(include=["ds_acco", "ds_acco.*"]),
-    cmdclass={"build_py": BuildPyWithPth},
+    cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
     # The ready configs ship with the package (ds_configs/ in a checkout is a link to them).
     package_data={"ds_acco.configs": ["*.json"]},
     python_requires=">=3.10",
