@@ -69,9 +69,12 @@ setup(
     # unpinned torch with none installed pulls a large CUDA build.
     install_requires=["torch>=2.13,<2.14", "deepspeed>=0.19.8,<0.20", "pydantic>=2"],
     extras_require={
-        # Tested: transformers 5.24.0, accelerate 1.15.0, matplotlib 3.x.
-        "test": ["pytest>=8", "transformers>=5,<6", "accelerate>=1.15", "tqdm", "matplotlib>=3.5", "datasets"],
+        # Tested: transformers 5.24.0, accelerate 1.15.0, lightning 2.6.6, matplotlib 3.x. lightning 2.6
+        # needs torch >= 2.1 and leaves an installed torch 2.13 in place.
+        "test": ["pytest>=8", "transformers>=5,<6", "accelerate>=1.15", "lightning>=2.6,<2.7", "tqdm",
+                 "matplotlib>=3.5", "datasets"],
         "hf": ["transformers>=5,<6", "accelerate>=1.15"],
+        "lightning": ["lightning>=2.6,<2.7"],
         "examples": ["transformers>=5,<6", "accelerate>=1.15", "tqdm", "datasets"],
         "bench": ["matplotlib>=3.5", "transformers>=5,<6", "tqdm"],  # for a checkout's python -m benchmarks
         "mpi": ["mpi4py", "mpich"],

@@ -10,7 +10,7 @@ it there and fills it from ``Trainer(accumulate_grad_batches=...)`` (even, ≥ 2
 with ``python -m ds_acco check examples/lightning_ds_config.json --gas 4``. Under ``install()``
 Lightning's validation runs on the committed weights θ (never the estimate θ̃), and its
 checkpoints hold θ and ACCO's in-flight state. Lightning calls ``engine.step()`` after every
-micro-batch, so ``Trainer(max_steps=...)`` and ``trainer.global_step`` count micro-batches.
+micro-batch; ``trainer.global_step`` counts optimizer steps, as ``engine.global_steps`` does.
 
 The same command with ``DS_ACCO=off`` trains stock ZeRO-1 from the same config. Lightning's
 ``DeepSpeedStrategy`` runs on CUDA GPUs only (``setup_environment`` refuses any other accelerator);
@@ -42,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=24, help="training micro-batches per epoch and rank")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--accelerator", default="auto", help="Lightning's accelerator (DeepSpeedStrategy wants cuda)")
-    p.add_argument("--devices", default="auto", help="devices per node (torchrun: --nproc_per_node)")
+    p.add_argument("--devices", default=os.environ.get("LOCAL_WORLD_SIZE", "auto"),
+                   help="devices per node (default: torchrun's --nproc_per_node)")
     p.add_argument("--out", default=None, help="a folder: rank 0 saves the final weights here (final.pt)")
     p.add_argument("--save", default=None, help="save a Lightning checkpoint here after training")
     p.add_argument("--resume", default=None, help="resume from this Lightning checkpoint")
@@ -99,7 +100,8 @@ def main(argv=None, module_class=Regressor) -> dict:
     train = make_data(micro * args.batches * world, seed=1)
     val = make_data(micro * 4 * world, seed=2)
     trainer = L.Trainer(
-        strategy=DeepSpeedStrategy(config=args.config), accelerator=args.accelerator, devices=args.devices,
+        strategy=DeepSpeedStrategy(config=args.config), accelerator=args.accelerator,
+        devices=int(args.devices) if str(args.devices).isdigit() else args.devices,
         accumulate_grad_batches=args.accumulate, max_epochs=args.epochs, num_sanity_val_steps=0,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False,
         deterministic=True)
@@ -112,7 +114,7 @@ def main(argv=None, module_class=Regressor) -> dict:
     result = {"world_size": trainer.world_size, "engine": type(engine).__name__,
               "optimizer": type(engine.optimizer).__name__, "gradient_accumulation_steps":
               engine.gradient_accumulation_steps(), "global_steps": int(engine.global_steps),
-              "micro_batches": trainer.global_step, "train_losses": model.train_losses,
+              "trainer_global_step": trainer.global_step, "train_losses": model.train_losses,
               "val_losses": model.val_losses, "val_checksums": model.val_checksums,
               "final_checksum": float(sum(t.double().sum() for t in final.values()))}
     if trainer.is_global_zero:
