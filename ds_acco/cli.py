@@ -3,6 +3,7 @@
     python -m ds_acco check CONFIG.json     # the resolved "acco" block as JSON, or the errors (exit 2)
     python -m ds_acco check CONFIG.json --world-size 2   # checked for 2 data-parallel ranks
     python -m ds_acco check acco.json       # a config shipped with ds_acco, by name
+    python -m ds_acco check CONFIG.json --gas 4   # the trainer supplies gradient_accumulation_steps (Lightning)
     python -m ds_acco configs [NAME]        # paths of the shipped configs (ds_acco.configs)
     python -m ds_acco ab|advise|cluster-test  # moved: exit 2, naming python -m benchmarks ... (a checkout)
     python -m ds_acco run SCRIPT.py ARGS... # ds_acco.install(), then SCRIPT as __main__ (unedited)
@@ -26,6 +27,13 @@ tensor / pipeline parallelism: GPUs / (TP x PP)). Without it the size is ``train
 (train_micro_batch_size_per_gpu x gradient_accumulation_steps)`` when the config sets all three
 (Megatron-DeepSpeed's templates do), else 1. CONFIG is a path or, when no such file exists, the
 name of a shipped config. The JSON goes to stdout, notes and errors to stderr.
+
+``--gas K``: the trainer, not the JSON, supplies ``gradient_accumulation_steps`` (Lightning's
+``DeepSpeedStrategy`` refuses the key in the config and sets it from ``Trainer(accumulate_grad_batches=K)``,
+and ``train_micro_batch_size_per_gpu`` from the loader when absent: 1 here, as ACCO's checks do not
+depend on it). The config is checked with K filled in; a config that sets the key to another value
+is an error. Without ``--gas``, a config with ACCO enabled and neither ``gradient_accumulation_steps``
+nor ``train_batch_size`` fails DeepSpeed's default of 1, and the error names ``--gas``.
 """
 from __future__ import annotations
 
@@ -53,10 +61,39 @@ def _has_auto(value) -> bool:
     return value == "auto"
 
 
-def check(path: str, out=None, err=None, world_size: Optional[int] = None) -> int:
+GAS = "gradient_accumulation_steps"
+
+
+def _from_trainer(raw: dict, gas: Optional[int]) -> dict:
+    """``raw`` with the trainer's ``gradient_accumulation_steps`` (``--gas``) filled in."""
+    if gas is None:
+        return raw
+    if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
+        raise ValueError(f"--gas {gas!r}: the trainer's gradient accumulation must be an integer >= 1 "
+                         "(Lightning: Trainer(accumulate_grad_batches=K))")
+    if GAS in raw and raw[GAS] != gas:
+        raise ValueError(f"{GAS} = {raw[GAS]!r} in the config, but --gas {gas} says the trainer supplies it; fix: "
+                         f"remove {GAS} from the config (Lightning refuses it there) or drop --gas")
+    return {"train_micro_batch_size_per_gpu": 1, **raw, GAS: gas}
+
+
+def _gas_hint(given: dict, gas: Optional[int], acco, error: Exception) -> str:
+    """Where the fix of an error about the accumulation goes when the trainer supplies it, or may."""
+    if GAS not in str(error):
+        return ""
+    if gas is not None:
+        return f"; {GAS} comes from the trainer here (--gas): set it there (Lightning: Trainer(accumulate_grad_batches))"
+    if acco.mode != "acco" or GAS in given or "train_batch_size" in given:
+        return ""
+    return (f"; the config has no {GAS}: if your trainer supplies it (Lightning: Trainer(accumulate_grad_batches=K)), "
+            "check with --gas K")
+
+
+def check(path: str, out=None, err=None, world_size: Optional[int] = None, gas: Optional[int] = None) -> int:
     """Validate the config at ``path`` (or the shipped config of that name) for ``world_size``
-    data-parallel ranks (None: inferred, see the module docstring); print the resolved block
-    (stdout) or the errors (stderr)."""
+    data-parallel ranks (None: inferred, see the module docstring), with ``gas`` as the
+    ``gradient_accumulation_steps`` the trainer supplies (None: the config's own); print the
+    resolved block (stdout) or the errors (stderr)."""
     out, err = out or sys.stdout, err or sys.stderr
     from .config import (ACCO_KEY, BATCH_KEYS, acco_config_of, check_deepspeed_compat, check_layout,
                          data_parallel_size, deepspeed_config_at, load_ds_config, requested_layout)
@@ -73,12 +110,16 @@ def check(path: str, out=None, err=None, world_size: Optional[int] = None) -> in
         if not isinstance(raw, dict):
             raise ValueError(f"the top level must be a JSON object, got {type(raw).__name__}")
         acco = acco_config_of(raw)
+        given, raw = raw, _from_trainer(raw, gas)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         print(f"{path}: error: {exc}", file=err)
         return EXIT_ERROR
     resolved = acco.model_dump(mode="json")
-    if acco.enabled and acco.accumulation == "dynamic" and isinstance(raw.get("gradient_accumulation_steps"), int):
-        resolved["dynamic"] = acco.dynamic_bounds(raw["gradient_accumulation_steps"]).model_dump(mode="json")
+    if acco.enabled and acco.accumulation == "dynamic" and isinstance(raw.get(GAS), int):
+        resolved["dynamic"] = acco.dynamic_bounds(raw[GAS]).model_dump(mode="json")
+    if gas is not None:
+        print(f"{path}: {GAS} = {gas} from the trainer (--gas; Lightning: Trainer(accumulate_grad_batches={gas}))",
+              file=err)
     if ACCO_KEY not in raw:
         print(f"{path}: no \"{ACCO_KEY}\" block: stock DeepSpeed ZeRO (the defaults below are what an empty "
               "block means)", file=err)
@@ -94,7 +135,7 @@ def check(path: str, out=None, err=None, world_size: Optional[int] = None) -> in
             check_deepspeed_compat(acco, deepspeed_config_at(raw, size))
             check_layout(acco, requested_layout(raw))  # what the config alone asks for: AutoTP, Ulysses
         except Exception as exc:  # DeepSpeed's parser raises AssertionError, ValueError, pydantic errors...
-            print(f"{path}: error: {exc}", file=err)
+            print(f"{path}: error: {exc}{_gas_hint(given, gas, acco, exc)}", file=err)
             return EXIT_ERROR
         if world_size is not None:
             how = "--world-size"
@@ -184,6 +225,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="data-parallel size to check at (GPUs / (tensor x pipeline parallel size)); default: "
                    "train_batch_size / (micro batch x gradient_accumulation_steps) when all three are set, else 1")
+    c.add_argument("--gas", type=int, default=None, metavar="K",
+                   help="the trainer supplies gradient_accumulation_steps = K, not the config (Lightning: "
+                   "Trainer(accumulate_grad_batches=K)); checked with K filled in")
     c = sub.add_parser("configs", help="print the paths of the configs shipped with ds_acco")
     c.add_argument("name", nargs="?", help="print only this one's path (e.g. acco.json)")
     sub.add_parser("run", help="ds_acco.install(), then run SCRIPT.py ARGS (or -m MODULE ARGS) as __main__",
@@ -193,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.command == "configs":
         return list_configs(args.name)
-    return check(args.config, world_size=args.world_size)
+    return check(args.config, world_size=args.world_size, gas=args.gas)
 
 
 __all__ = ["check", "moved_command", "list_configs", "main", "run_script"]

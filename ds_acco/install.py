@@ -1,5 +1,6 @@
 """``ds_acco.install()``: make code that calls ``deepspeed.initialize`` itself (HF Trainer,
-Accelerate, Megatron-style scripts) honour the ``"acco"`` block of its DeepSpeed config.
+Accelerate, Lightning's ``DeepSpeedStrategy``, Megatron-style scripts) honour the ``"acco"`` block
+of its DeepSpeed config.
 
     import ds_acco
     ds_acco.install()          # once, before the trainer builds its engine
@@ -40,6 +41,12 @@ Exact scope (everything this module changes, and only while installed):
      Trainer step after each optimizer step): its step is taken as before and undone if the commit
      it follows turns out skipped (non-finite gradient, fp16 overflow), as stock skips it then
      (``step_was_skipped``); see ``AccoDriver.caller_scheduler_step``.
+   * Lightning's evaluation loop (``_EvaluationLoop.run`` of ``lightning.pytorch`` and of
+     ``pytorch_lightning``, checked with Lightning 2.6) runs inside :func:`ds_acco.committed_weights`
+     when the strategy's model is an ACCO engine (``DeepSpeedStrategy``): validation and test
+     evaluate θ even when the module keeps its layers in training mode (an ``on_validation_model_eval``
+     override: no ``engine.eval()``). The loop, not a Callback: one place, on every Trainer, and the
+     live weights come back even when validation raises.
 3. ``deepspeed.runtime.engine.DeepSpeedEngine.__init__`` runs unchanged, then warns on rank 0 (DeepSpeed's
    logger) when it built a stock engine from a config whose ``"acco"`` block is enabled: an
    ``initialize`` looked up before ``install()``, or an engine constructed directly, would otherwise
@@ -153,7 +160,7 @@ def _is_acco_engine(engine) -> bool:
 
 
 def _patch_frameworks() -> None:
-    """Adapt Accelerate's engine wrapper and scheduler, and HF Trainer, if imported (idempotent)."""
+    """Adapt Accelerate's engine wrapper and scheduler, HF Trainer and Lightning, if imported (idempotent)."""
     acc = sys.modules.get("accelerate.utils.deepspeed")
     wrapper = getattr(acc, "DeepSpeedEngineWrapper", None)
     if wrapper is not None and not _is_patched(wrapper, "backward"):
@@ -170,6 +177,10 @@ def _patch_frameworks() -> None:
         name = "_maybe_log_save_evaluate"
         if hasattr(trainer, name) and not _is_patched(trainer, name):
             _patch(trainer, name, _logs_the_steps_own_grad_norm(getattr(trainer, name)))
+    for package in ("lightning.pytorch", "pytorch_lightning"):  # the unified package and the standalone one
+        loop = getattr(sys.modules.get(f"{package}.loops.evaluation_loop"), "_EvaluationLoop", None)
+        if loop is not None and not _is_patched(loop, "run"):
+            _patch(loop, "run", _on_committed_weights(loop.run, _lightning_engine))
 
 
 def _under_accelerate_refusal(accumulation: str) -> ValueError:
@@ -206,10 +217,18 @@ def _accelerate_backward(original: Callable) -> Callable:
     return backward
 
 
-def _on_committed_weights(original: Callable) -> Callable:
+def _trainer_engine(trainer):
+    return getattr(trainer, "model_wrapped", None)  # HF Trainer: the engine Accelerate built
+
+
+def _lightning_engine(loop):
+    return getattr(getattr(loop.trainer, "strategy", None), "model", None)  # DeepSpeedStrategy: the engine
+
+
+def _on_committed_weights(original: Callable, engine_of: Callable = _trainer_engine) -> Callable:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        engine = getattr(self, "model_wrapped", None)
+        engine = engine_of(self)
         if not _is_acco_engine(engine):
             return original(self, *args, **kwargs)
         from .weights import committed_weights

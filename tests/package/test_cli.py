@@ -1,5 +1,6 @@
 """``python -m ds_acco``: ``check`` prints the resolved "acco" block or the errors (exit 2), at the
-data-parallel size given (``--world-size``) or implied by the batch keys;
+data-parallel size given (``--world-size``) or implied by the batch keys, with the accumulation
+from the config or from the trainer (``--gas``);
 ``ab`` / ``advise`` / ``cluster-test`` moved to ``python -m benchmarks`` and say so (exit 2)."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 
 
+LIGHTNING = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "acco": {"enabled": True}}
 # Megatron-DeepSpeed's templates set all three batch keys: 32 = 4 x 4 x 2 data-parallel ranks.
 MEGATRON = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
             "steps_per_print": 10, "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
@@ -120,6 +122,47 @@ def test_check_refuses_the_layouts_the_config_asks_for(tmp_path, accumulation, r
     if rc:
         assert (f"acco.accumulation = '{accumulation}' with tensor parallelism (AutoTP: "
                 "tensor_parallel.autotp_size = 2") in err and 'fix: set "accumulation": "fixed"' in err
+
+
+LIGHTNING_CONFIG = REPO / "examples" / "lightning_ds_config.json"  # Lightning refuses gradient_accumulation_steps
+
+
+def test_check_takes_the_accumulation_from_the_trainer(capsys):
+    """Lightning's config has no gradient_accumulation_steps (the Trainer's accumulate_grad_batches fills it):
+    without --gas DeepSpeed's default 1 fails ACCO and the error names --gas; with --gas 4 it passes at the
+    trainer's value, with --gas 3 it fails and points at the trainer."""
+    assert "gradient_accumulation_steps" not in json.loads(LIGHTNING_CONFIG.read_text())
+    assert cli.main(["check", str(LIGHTNING_CONFIG)]) == 2
+    err = capsys.readouterr().err
+    assert "gradient_accumulation_steps = 1" in err and "Trainer(accumulate_grad_batches=K)), check with --gas K" in err
+    assert cli.main(["check", str(LIGHTNING_CONFIG), "--gas", "4", "--world-size", "2"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["acco"]["enabled"] is True
+    assert "gradient_accumulation_steps = 4 from the trainer (--gas; Lightning: Trainer(accumulate_grad_batches=4))" \
+        in captured.err and "checked at data-parallel size 2" in captured.err
+    assert cli.main(["check", str(LIGHTNING_CONFIG), "--gas", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "gradient_accumulation_steps = 3: acco.mode 'acco'" in err and "comes from the trainer here (--gas)" in err
+    assert cli.main(["check", str(LIGHTNING_CONFIG), "--gas", "0"]) == 2
+    assert "--gas 0: the trainer's gradient accumulation must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({**BASE, "acco": {"enabled": True}}, "gradient_accumulation_steps = 4 in the config, but --gas 2"),
+    ({**LIGHTNING, "zero_optimization": {"stage": 2}}, "zero_optimization.stage = 2"),
+    ({**LIGHTNING, "acco": {"enabled": True, "mod": "acco"}}, "acco.mod"),
+    ({**LIGHTNING, "acco": {"enabled": True, "accumulation": "dynamic"}}, None),
+])
+def test_check_with_gas_still_checks_everything_else(tmp_path, config, needle):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    out, err = io.StringIO(), io.StringIO()
+    rc = cli.check(str(path), out=out, err=err, gas=2)
+    if needle is None:  # dynamic bounds resolved at the trainer's accumulation: 4 x A/2
+        assert rc == 0, err.getvalue()
+        assert json.loads(out.getvalue())["acco"]["dynamic"]["max_micro_batches"] == 4
+    else:
+        assert rc == 2 and needle in err.getvalue(), err.getvalue()
 
 
 def test_check_missing_file(tmp_path):

@@ -109,8 +109,8 @@ def test_the_readme_gets_out_of_the_way():
     # Issue 35: at most 250 lines, in this order; the reference material lives in docs/.
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 250
-    order = ["Install", "The two commands", "Migrating", "Results", "HF Trainer", "Accelerate", "Megatron-DeepSpeed",
-             "FSDP2", "Documentation"]
+    order = ["Install", "The two commands", "Migrating", "Results", "HF Trainer", "Accelerate", "Lightning",
+             "Megatron-DeepSpeed", "FSDP2", "Documentation"]
     headings = re.findall(r"^## (.*)$", _FENCE.sub("", text), flags=re.M)
     assert [next((o for o in order if h.startswith(o)), h) for h in headings] == order
     assert "pip install ." in text and "accelerate launch --config_file" in text and "ACCELERATE_USE_CPU" in text

@@ -88,6 +88,22 @@ def _inside(path, folder) -> bool:
     return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))  # venv/bin/python is a link: no realpath
 
 
+def _fresh_venv(venv: Path, wheel: Path) -> tuple:
+    """``wheel`` installed with ``--no-deps`` into a new venv at ``venv``, whose dependencies (torch, deepspeed,
+    transformers...) come from this interpreter, not the checkout: (its python, an env, a work dir beside it)."""
+    _run([sys.executable, "-m", "venv", "--without-pip", venv])
+    py = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel])
+    site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "ds_acco_test_deps.pth").write_text("".join(p + "\n" for p in sorted(ours)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(DS_ACCELERATOR="cpu", PYTHONNOUSERSITE="1")
+    work = venv.parent / "work"
+    work.mkdir()
+    return py, env, work
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(bool(_wheel_tooling()), reason=_wheel_tooling() or "ok")
 def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
@@ -108,18 +124,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
                                                         "docs")]
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", venv])
-    py = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel])
-    # The dependencies (torch, deepspeed, transformers...) from this interpreter, not the checkout.
-    site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    Path(site, "ds_acco_test_deps.pth").write_text("".join(p + "\n" for p in sorted(ours)))
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(DS_ACCELERATOR="cpu", PYTHONNOUSERSITE="1")
-    work = tmp_path / "work"
-    work.mkdir()
+    py, env, work = _fresh_venv(venv, wheel)
     where = _run([py, "-c", "import ds_acco, ds_acco.configs; print(ds_acco.__file__); print(ds_acco.configs.FOLDER)"],
                  cwd=work, env=env).stdout.split()
     assert all(_inside(p, venv) for p in where), where  # the wheel, not the checkout
@@ -163,6 +168,35 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
         assert rc not in (0, None), (name, out[-3000:])
         assert STOCK in out and "python -m ds_acco run SCRIPT.py" in out, (name, out[-3000:])
         assert "PLAIN_RESULT" not in out and "ACCO is on" not in out, (name, out[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(_wheel_tooling()), reason=_wheel_tooling() or "ok")
+def test_editable_install_ships_the_guard(tmp_path):
+    """``pip install -e``: setuptools' editable wheel (PEP 660) carries ds_acco_autoinstall.pth beside its own
+    finder (setup.py's editable_wheel), so start-up arms the hook from the checkout's sources and an engine built
+    from an enabled "acco" block without ds_acco routing it stops, as with the wheel."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".cache", ".pytest_cache", "bench_results",
+        "runs", "docs", "benchmarks", "examples"))
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_editable({str(dist)!r})"],
+         cwd=src)
+    (wheel,) = dist.glob("ds_acco-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ds_acco_autoinstall.pth" in names and any(n.startswith("__editable__") for n in names), names
+    assert zipfile.ZipFile(wheel).read("ds_acco_autoinstall.pth") == (REPO / "ds_acco_autoinstall.pth").read_bytes()
+
+    py, env, work = _fresh_venv(tmp_path / "venv", wheel)
+
+    armed = _run([py, "-c", "import sys; a = sys.modules['ds_acco._autoinstall']; "
+                  "print('ARMED', a.armed(), a.__file__, 'torch' in sys.modules)"], cwd=work, env=env).stdout
+    assert f"ARMED True {src / 'ds_acco' / '_autoinstall.py'} False" in armed, armed  # the editable sources
+    guard = subprocess.run([py, GUARD_SCRIPT, tmp_path / "store", work], cwd=work, env=guard_env(env),
+                           capture_output=True, text=True, timeout=scaled(180))
+    assert guard.returncode == 0, guard.stdout[-3000:] + guard.stderr[-3000:]
+    check_guard_run(guard.stdout, guard.stderr)
 
 
 ACCO_ON = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
