@@ -185,9 +185,35 @@ def set_keys(raw: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
             yield from set_keys(value, f"{prefix}{name}.")
 
 
+def _deepspeed_default(path: str) -> Any:
+    """DeepSpeed's own default for a ``replaced`` key (its config models' and constants'), or a
+    sentinel equal to nothing when it has none."""
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    block, _, name = path.rpartition(".")
+    model = {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config,
+             "bfloat16": DeepSpeedBF16Config}.get(block)
+    if model is not None:
+        field = model.model_fields.get(name)
+        if name == "overlap_comm":
+            return False  # None in the model: DeepSpeed sets it to stage == 3, and ACCO runs stage 1
+        return field.default if field is not None else object()
+    return getattr(constants, f"{path.upper()}_DEFAULT", object())
+
+
 def replaced_keys(raw: Mapping[str, Any]) -> List[str]:
-    """The keys ``raw`` sets that ACCO's own communication replaces (the engine warns about them)."""
-    return [k for k in set_keys(raw) if (classify(k) or Key("", "")).kind == "replaced"]
+    """The keys ``raw`` sets, to a value other than DeepSpeed's default, that ACCO's own
+    communication replaces (the engine warns about them: a template that spells out the defaults,
+    as Megatron's do, is not warned about)."""
+    def value(path: str) -> Any:
+        node: Any = raw
+        for part in path.split("."):
+            node = node[part]
+        return node
+    return [k for k in set_keys(raw) if (classify(k) or Key("", "")).kind == "replaced"
+            and value(k) != _deepspeed_default(k)]
 
 
 def check_deepspeed_compat(acco, ds) -> None:

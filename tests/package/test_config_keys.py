@@ -235,3 +235,12 @@ def test_replaced_keys_are_the_ones_set():
                                                                      "reduce_bucket_size": 10}}
     assert sorted(replaced_keys(raw)) == ["prescale_gradients", "zero_optimization.overlap_comm",
                                   "zero_optimization.reduce_bucket_size"]
+
+
+def test_keys_set_to_deepspeeds_default_are_not_warned_about():
+    """Megatron's templates spell out ``"prescale_gradients": false`` and the bucket sizes: no warning
+    for what changes nothing, one for each value that would change stock's communication."""
+    raw = {**BASE, "prescale_gradients": False, "gradient_predivide_factor": 1.0, "bf16": {"check_grad_overflow": True},
+           "zero_optimization": {"stage": 1, "overlap_comm": False, "reduce_bucket_size": 500_000_000,
+                                 "contiguous_gradients": True, "allgather_partitions": False}}
+    assert replaced_keys(raw) == ["zero_optimization.allgather_partitions"]
