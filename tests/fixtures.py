@@ -72,7 +72,35 @@ def param_groups(model):
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+class HeavyBall(torch.optim.Optimizer):
+    """A user-defined optimizer (no functional step in ds_acco): heavy-ball momentum with decoupled
+    weight decay, p ← p (1 − lr·wd) − lr·m, m ← β m + g. Its step reads each group through a helper
+    method, as user code often does."""
+
+    def __init__(self, params, lr=0.05, beta=0.8, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+
+    def _update(self, p, group):
+        state = self.state[p]
+        m = state.get("momentum")
+        m = state["momentum"] = p.grad.clone() if m is None else m.mul_(group["beta"]).add_(p.grad)
+        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(-group["lr"] * m)
+
+
+TENSOR_LR = ":tensor-lr"  # suffix of a name: the same optimizer built with lr=torch.tensor(...)
+
+
 def make_optimizer(name: str):
+    if name.endswith(TENSOR_LR):
+        return _with_tensor_lr(make_optimizer(name[:-len(TENSOR_LR)]))
+
     def build(model):
         if name == "sgd":
             return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -93,7 +121,30 @@ def make_optimizer(name: str):
             return torch.optim.Adam(model.parameters(), lr=0.02)
         if name == "rmsprop":  # no functional step: the estimate steps the shards for real, then restores them
             return torch.optim.RMSprop(param_groups(model), lr=0.01)
+        if name == "adagrad":  # one group, no scheduler: DeepSpeed rebuilds Adagrad from its defaults on the shards
+            return torch.optim.Adagrad(model.parameters(), lr=0.05, weight_decay=0.01)
+        if name == "adafactor":
+            return torch.optim.Adafactor(param_groups(model), lr=0.02, weight_decay=0.01)
+        if name == "adafactor-hf":  # transformers' Adafactor at a given rate (relative_step computes its own)
+            from transformers.optimization import Adafactor
+            return Adafactor(param_groups(model), lr=0.02, relative_step=False, scale_parameter=False)
+        if name == "heavy-ball":
+            return HeavyBall(param_groups(model), lr=0.05, weight_decay=0.01)
+        if name == "cpu-adamw":  # DeepSpeed's CPU Adam as a client optimizer (its op must be built)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            return DeepSpeedCPUAdam(param_groups(model), lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
         raise ValueError(name)
+    return build
+
+
+def _with_tensor_lr(make_float):
+    """``make_float``'s optimizer with every rate a 0-dim tensor, as ``lr=torch.tensor(...)`` builds it."""
+    def build(model):
+        opt = make_float(model)
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(group["lr"])
+        opt.defaults["lr"] = torch.tensor(opt.defaults["lr"])
+        return opt
     return build
 
 

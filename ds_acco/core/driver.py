@@ -97,7 +97,7 @@ class AccoDriver:
         self.gradient_accumulation_steps = host.gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
         self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
-        check_estimate_variant(config.estimate, self.shard_optimizer)
+        check_estimate_variant(config.estimate, self.shard_optimizer, rounds=config.mode == "acco")
         process_group, model_parallel_group = host.process_group, host.model_parallel_group
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))

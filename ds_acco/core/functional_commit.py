@@ -21,7 +21,7 @@ from .functional_kernels import StepItem, _flat, _local, adam, fused_adam_step, 
 from .functional_step import _GROUP_PARAMS, _kind, _overlaps, _read_scalars, step_groups, supports
 
 
-def _step_overridden(optimizer) -> bool:
+def step_overridden(optimizer) -> bool:
     """Whether the instance's ``step`` is anything but its class's (an LR scheduler's wrapper of
     the class's step, which only sets ``_opt_called``, is not an override)."""
     step = optimizer.__dict__.get("step")
@@ -37,7 +37,7 @@ def supports_commit(optimizer) -> bool:
     expect the real step), ``step`` not overridden on the instance, and every Adam ``step`` state
     a tensor (as ``load_state_dict`` and ``_init_group`` make it)."""
     kind = _kind(optimizer)
-    if kind not in ("sgd", "adam") or not supports(optimizer) or _step_overridden(optimizer):
+    if kind not in ("sgd", "adam") or not supports(optimizer) or step_overridden(optimizer):
         return False
     if (_torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks
             or getattr(optimizer, "_optimizer_step_pre_hooks", None)

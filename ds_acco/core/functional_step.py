@@ -178,9 +178,10 @@ def capture_settings(optimizer) -> List[dict]:
 
 
 def step_groups(optimizer, settings: Optional[Sequence[dict]] = None, lr_scale: float = 1.0) -> List[dict]:
-    """The param groups as a step reads them: copies of the optimizer's (never its own dicts: a
-    scheduler may write them from another thread meanwhile) with ``settings`` laid over them (see
-    :func:`capture_settings`) and the learning rate × ``lr_scale``. One copy per group."""
+    """The param groups as a step reads them: copies of the optimizer's (never its own dicts: the
+    compute thread may read and write them meanwhile) with ``settings`` laid over them (see
+    :func:`capture_settings`) and the learning rate × ``lr_scale`` (a tensor rate too, out of place).
+    One copy per group."""
     groups = optimizer.param_groups
     if settings is not None and len(settings) != len(groups):
         raise ValueError(f"settings for {len(settings)} param groups, the optimizer has {len(groups)}")
@@ -188,7 +189,13 @@ def step_groups(optimizer, settings: Optional[Sequence[dict]] = None, lr_scale: 
     for i, g in enumerate(groups):
         view = {**g, **(settings[i] if settings is not None else {})}
         if lr_scale != 1.0:
-            view["lr"] = view["lr"] * lr_scale
+            lr = view.get("lr")
+            if not (_is_float(lr) or (torch.is_tensor(lr) and lr.is_floating_point())):
+                raise ValueError(f"{type(optimizer).__name__}'s param group {i} has lr = {lr!r}, which a round's step "
+                                 f"cannot take × {lr_scale} (acco.estimate.lr_scale in the estimate, "
+                                 "acco.dynamic.lr_scaling); fix: give the group a learning rate, or set that key to 1 "
+                                 "(\"estimate\": \"paper\"; lr_scaling 'none')")
+            view["lr"] = lr * lr_scale  # a new value: a tensor rate the caller holds is never written
         out.append(view)
     return out
 

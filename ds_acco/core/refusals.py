@@ -114,6 +114,10 @@ _ROWS = (
             "does not give",
             "use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true, no capturable or differentiable) or "
             "remove the key", form="{found} {why}; fix: {fix}"),
+    Refusal("estimate_lr_scale_without_lr", "an estimate learning-rate factor with a param group that has no rate",
+            "scales the learning rate of the estimate's step, and {optimizer}'s param group {group} has lr = {lr} (it "
+            "computes its own, e.g. Adafactor with relative_step=True)", "set \"estimate\": \"paper\" (or "
+            "\"lr_scale\": 1.0), or give the optimizer a learning rate", form="{found} {why}; fix: {fix}"),
     Refusal("ranks_differ", "settings that differ between ranks (e.g. ACCO enabled on one rank only): they would "
             "issue different collectives and hang", "differs between ranks: {lines}", "give every rank the same config",
             form="{found} {why}; fix: {fix}"),
@@ -315,15 +319,21 @@ def under_accelerate(accumulation: str) -> ValueError:
                   f"acco.accumulation = {accumulation!r} under Accelerate / HF Trainer", accumulation=accumulation)
 
 
-def check_estimate_variant(estimate, shard_optimizer) -> None:
+def check_estimate_variant(estimate, shard_optimizer, rounds: bool = True) -> None:
     """The estimate variants that read Adam's second moment need an optimizer that has one and a
-    functional step (torch Adam / AdamW): refuse any other, naming the key and the fix."""
+    functional step (torch Adam / AdamW), and a scaled estimate a learning rate in every param group:
+    refuse any other, naming the key and the fix (``rounds``: the mode has estimate rounds)."""
     needs = [f"second_moment = {estimate.second_moment!r}"] if estimate.second_moment == "committed" else []
     if estimate.delay_compensation:
         needs.append(f"delay_compensation = {estimate.delay_compensation!r}")
     if needs and not shard_optimizer.committed_second_moment:
         raise refuse("estimate_variant_optimizer", f"acco.estimate.{' and '.join(needs)}",
                      optimizer=type(shard_optimizer.optimizer).__name__)
+    for i, group in enumerate(shard_optimizer.optimizer.param_groups if rounds and estimate.lr_scale != 1.0 else ()):
+        lr = group.get("lr")
+        if not (torch.is_tensor(lr) or (isinstance(lr, (int, float)) and not isinstance(lr, bool))):
+            raise refuse("estimate_lr_scale_without_lr", f"acco.estimate.lr_scale = {estimate.lr_scale!r}",
+                         optimizer=type(shard_optimizer.optimizer).__name__, group=i, lr=repr(lr))
 
 
 def check_estimate_dtype(key: str, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],

@@ -15,42 +15,54 @@ per-parameter state and the param-group settings bit for bit as they were, in on
 The commit of torch SGD/Adam/AdamW (fused or not) is functional too (in place, bit-identical to
 ``optimizer.step()``: :func:`.functional_commit.commit_in_place`); other optimizers take their step.
 
-A round uses the settings captured at its launch, while a scheduler on the compute thread may
-write the param groups as it runs. The functional steps only read those settings. A real step reads
-the param groups: for the classes an adapter registers with :func:`register_step_on_round_groups`
-(DeepSpeed's Adams) it runs on a view of the optimizer whose groups are the round's own copies
-(:class:`RoundView`), so the groups the scheduler writes are never read nor written on the lane;
-any other optimizer gets the settings written into its groups for the step's duration
-(:func:`applied_settings`).
+A round uses the settings captured at its launch (and the estimate its learning rate × the
+estimate's ``lr_scale``), while the compute thread may read the param groups (a logger,
+``engine.get_lr()``) or write them (a scheduler) as it runs. The functional steps only read those
+settings. A real step reads the param groups, so it runs on a view of the optimizer whose groups
+are the round's own copies (:class:`RoundView`): the groups the compute thread sees are never
+written on the lane, and a tensor learning rate is scaled out of place. A step that does not read
+its learning rate there (a wrapper stepping an inner optimizer), or an instance's own ``step``
+override, cannot take a rate other than the live one: refused when the round needs one.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
+import inspect
+import types
 from typing import Callable, List, Optional, Sequence, TypeVar
 
 import torch
 
 from . import chunking, functional_commit, functional_step
+from .functional_commit import step_overridden
 
 _GROUP_PARAMS = "params"
 _MISSING = object()
 T = TypeVar("T")
-_ROUND_GROUP_STEPS: set = set()
 
 
-def register_step_on_round_groups(cls: type) -> None:
-    """Instances of exactly ``cls`` take their real step on a :class:`RoundView`: ``cls.step()``
-    must read its settings from ``self.param_groups`` alone (and may add keys to a group, e.g.
-    FusedAdam's ``step``: a commit copies what its step wrote into a group back). Idempotent."""
-    _ROUND_GROUP_STEPS.add(cls)
+class RoundGroup(dict):
+    """A round's copy of a param group; notes whether the step read its learning rate."""
+
+    lr_read = False
+
+    def __getitem__(self, key):
+        if key == "lr":
+            self.lr_read = True
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        if key == "lr":
+            self.lr_read = True
+        return dict.get(self, key, default)
 
 
 class RoundView:
     """``optimizer`` as one round's real step sees it: ``param_groups`` are the round's own copies
-    (its captured settings, :func:`.functional_step.step_groups`), every other attribute is the
-    optimizer's own (its state, a C++ optimizer's handle). The step then never reads or writes the
-    groups that a scheduler on the compute thread writes meanwhile."""
+    (its captured settings, :func:`.functional_step.step_groups`); its class's methods and properties
+    are bound to the view (a helper method reading ``self.param_groups`` reads the round's); every
+    other attribute is the optimizer's own (its state, a C++ optimizer's handle). The step then
+    never reads or writes the groups that the compute thread reads and writes meanwhile."""
 
     __slots__ = ("_optimizer", "param_groups")
 
@@ -59,7 +71,11 @@ class RoundView:
         object.__setattr__(self, "param_groups", groups)
 
     def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "_optimizer"), name)
+        optimizer = object.__getattribute__(self, "_optimizer")
+        found = inspect.getattr_static(type(optimizer), name, None)
+        if isinstance(found, property) or (isinstance(found, types.FunctionType) and name not in vars(optimizer)):
+            return found.__get__(self, type(optimizer))  # as Python binds it: an instance attribute wins
+        return getattr(optimizer, name)
 
     def __setattr__(self, name, value):
         setattr(object.__getattribute__(self, "_optimizer"), name, value)
@@ -98,11 +114,6 @@ class ShardOptimizer:
         return functional_commit.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
 
     @property
-    def steps_on_round_groups(self) -> bool:
-        """Whether the real step runs on a :class:`RoundView` (see :func:`register_step_on_round_groups`)."""
-        return type(self.optimizer) in _ROUND_GROUP_STEPS
-
-    @property
     def committed_second_moment(self) -> bool:
         """Whether the estimate can reuse the committed second moment (torch Adam / AdamW, functional)."""
         return self.functional and functional_step.supports_committed_second_moment(self.optimizer)
@@ -119,25 +130,23 @@ class ShardOptimizer:
         bit-identical to ``optimizer.step()``, but with chunk-sized temporaries only (torch's
         non-fused Adam step allocates shard-sized ones, and the commit runs while the compute
         lane's activations are alive); any other optimizer (DeepSpeed's Adams included) takes its
-        real step.
+        real step on a :class:`RoundView`, and what that step wrote into a group (FusedAdam's
+        ``step``) is copied into the optimizer's group after it.
 
         ``settings``: the param groups' settings the step uses (:meth:`settings`, captured when the
         round was launched; default: the current ones). ``lr_scale``: the step uses each group's
-        learning rate × this (dynamic mode's ``lr_scaling``). The functional step reads both
-        without writing the param groups, and so does a step on the round's groups (DeepSpeed's
-        Adams: :attr:`steps_on_round_groups`); any other real step needs them written there for its
-        duration (:func:`applied_settings`)."""
+        learning rate × this (dynamic mode's ``lr_scaling``). Neither is written into the
+        optimizer's param groups."""
         if len(grads) != len(self.masters):
             raise ValueError(f"expected {len(self.masters)} gradients, got {len(grads)}")
         if self.functional_commit:
             functional_commit.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale, settings)
-        elif self.steps_on_round_groups:
+        else:
             written = self._step(grads, functional_step.step_groups(self.optimizer, settings, lr_scale))
             for group, keys in zip(self.optimizer.param_groups, written):
-                group.update(keys)  # what the step itself keeps in a group (FusedAdam's 'step')
-        else:
-            with applied_settings(self.optimizer, settings, lr_scale):
-                self._step(grads)
+                group.update(keys)
+            if getattr(self.optimizer.step, "_wrapped_by_lr_sched", False):
+                self.optimizer._opt_called = True  # what the scheduler's wrapper of step() sets
         return None if read is None else read()
 
     def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
@@ -169,45 +178,50 @@ class ShardOptimizer:
                         raise ValueError(f"output has {dst.numel()} elements, shard {src.numel()}")
                     dst.view(-1).copy_(src.reshape(-1))
 
-        if self.steps_on_round_groups:
-            self.estimate(grads, copy_out, functional_step.step_groups(self.optimizer, settings, lr_scale))
-            return
-        with applied_settings(self.optimizer, settings, lr_scale):
-            self.estimate(grads, copy_out)
+        self.estimate(grads, copy_out, functional_step.step_groups(self.optimizer, settings, lr_scale))
 
     def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T],
                  groups: Optional[List[dict]] = None) -> T:
         """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly.
 
         The snapshot path, for any optimizer: while it runs, a clone of every master shard and
-        of every optimizer-state tensor is held (see the module docstring). ``groups``: the step
-        runs on these copies of the param groups (a :class:`RoundView`; what it writes there is
-        dropped), and the optimizer's own groups are neither read nor restored."""
-        saved = self._snapshot(groups is None)
+        of every optimizer-state tensor is held (see the module docstring). The step runs on a
+        :class:`RoundView` of ``groups`` (default: copies of the current param groups, see
+        :func:`.functional_step.step_groups`); what it writes there is dropped."""
+        saved = self._snapshot()
         try:
-            self._step(grads, groups)
+            self._step(grads, functional_step.step_groups(self.optimizer) if groups is None else groups)
             return read()
         finally:
             self._restore(saved)
 
-    def _step(self, grads: Sequence[torch.Tensor], groups: Optional[List[dict]] = None) -> List[dict]:
-        """One real step with ``grads``; with ``groups``, on a :class:`RoundView` of them: returns,
-        per group, the keys the step wrote into its copy (empty without ``groups``)."""
+    def _step(self, grads: Sequence[torch.Tensor], groups: List[dict]) -> List[dict]:
+        """One real step with ``grads`` on a :class:`RoundView` of ``groups`` (one copy per param
+        group): returns, per group, the keys the step wrote into its copy. An instance's own
+        ``step`` override runs on the optimizer itself: only while ``groups`` hold its settings."""
+        live = self.optimizer.param_groups
+        rounds = [RoundGroup(g) for g in groups]
         for m, g in zip(self.masters, grads):
             m.grad = g
         try:
-            if groups is None:
+            if step_overridden(self.optimizer):
+                if not all(_same(r, g) for r, g in zip(rounds, live)):
+                    raise ValueError(_refused(self.optimizer, "its step() is overridden on the instance (it runs on "
+                                              "the optimizer's own param groups)"))
                 self.optimizer.step()
-                return []
-            before = [dict(g) for g in groups]
-            type(self.optimizer).step(RoundView(self.optimizer, groups))
-            return [{k: v for k, v in g.items() if b.get(k, _MISSING) is not v} for g, b in zip(groups, before)]
+                return [{} for _ in rounds]
+            before = [dict(r) for r in rounds]
+            type(self.optimizer).step(RoundView(self.optimizer, rounds))
+            if not any(r.lr_read for r in rounds) and not all(_same(b, g, ("lr",)) for b, g in zip(before, live)):
+                raise ValueError(_refused(self.optimizer, "its step() did not read the learning rate from "
+                                          "self.param_groups (e.g. a wrapper stepping an inner optimizer)"))
+            return [{k: v for k, v in r.items() if b.get(k, _MISSING) is not v} for r, b in zip(rounds, before)]
         finally:
             for m in self.masters:
                 m.grad = None
 
     # -- snapshot / restore of everything a step may change ------------------------------
-    def _snapshot(self, with_groups: bool = True):
+    def _snapshot(self):
         state = {}
         for m in self.masters:
             entries = self.optimizer.state.get(m)
@@ -215,16 +229,11 @@ class ShardOptimizer:
                 k: (v, v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
                 for k, v in entries.items()
             }
-        # (value, copy): a value the step did not replace is left as it is on restore, so a
-        # setting written meanwhile from another thread is not reverted.
-        groups = [{k: (v, v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
-                   for k, v in g.items() if k != _GROUP_PARAMS} for g in self.optimizer.param_groups
-                  ] if with_groups else None
         masters = [m.detach().clone() for m in self.masters]
-        return state, groups, masters
+        return state, masters
 
     def _restore(self, saved) -> None:
-        state, groups, masters = saved
+        state, masters = saved
         with torch.no_grad():
             for m, value in zip(self.masters, masters):
                 m.copy_(value)
@@ -243,76 +252,30 @@ class ShardOptimizer:
                 else:
                     restored[k] = value
             self.optimizer.state[m] = restored
-        for g, values in zip(self.optimizer.param_groups, groups or ()):
-            for k in [k for k in g if k != _GROUP_PARAMS and k not in values]:
-                del g[k]
-            for k, (orig, value) in values.items():
-                if torch.is_tensor(orig):
-                    with torch.no_grad():
-                        orig.copy_(value)
-                    g[k] = orig
-                elif g.get(k, _MISSING) is not orig:
-                    g[k] = value
 
 
-@contextlib.contextmanager
-def applied_settings(optimizer: torch.optim.Optimizer, settings: Optional[Sequence[dict]] = None,
-                     lr_scale: float = 1.0):
-    """For a real ``optimizer.step()``, which reads its param groups: each group holds ``settings``
-    (captured when the round was launched) with the learning rate × ``lr_scale`` for the duration,
-    then what it held before. A value that someone else (a scheduler on the compute thread)
-    replaced meanwhile is kept: only values still ours are restored. A scheduler that computes
-    from the current value (torch's chainable schedulers) would compute from ours, so step such
-    schedulers between rounds (DeepSpeed's ``lr_scheduler``, which ACCO steps itself) or use an
-    optimizer with a functional step, which never writes the groups. A tensor learning rate
-    cannot be scaled (it may be updated in place): refused."""
-    groups = optimizer.param_groups
-    if settings is not None and len(settings) != len(groups):
-        raise ValueError(f"settings for {len(settings)} param groups, the optimizer has {len(groups)}")
-    wanted = []
-    for i, g in enumerate(groups):
-        mine = {k: v for k, v in (settings[i] if settings is not None else {}).items() if not _same(g.get(k, _MISSING), v)}
-        if lr_scale != 1.0:
-            lr = mine.get("lr", g["lr"])
-            if torch.is_tensor(lr):
-                raise ValueError("acco.dynamic.lr_scaling with a tensor learning rate and an optimizer without a "
-                                 f"functional step ({type(optimizer).__name__}): the scaled rate cannot be undone "
-                                 "safely; fix: use a float lr, or set acco.dynamic.lr_scaling to 'none'")
-            mine["lr"] = lr * lr_scale
-        wanted.append(mine)
-    if not any(wanted):
-        yield
-        return
-    saved = [{k: g.get(k, _MISSING) for k in mine} for g, mine in zip(groups, wanted)]
-    try:
-        for g, mine in zip(groups, wanted):
-            g.update(mine)
-        yield
-    finally:
-        for g, mine, before in zip(groups, wanted, saved):
-            for k, ours in mine.items():
-                if _same(g.get(k, _MISSING), ours):
-                    if before[k] is _MISSING:
-                        g.pop(k, None)
-                    else:
-                        g[k] = before[k]
+def _same(ours: dict, group: dict, keys: Optional[Sequence[str]] = None) -> bool:
+    """Whether a round's copy holds the group's own settings (``keys``: these only): the same objects,
+    equal plain values, or tensors equal in value (read on the communication thread)."""
+    for k in keys if keys is not None else [k for k in ours if k != _GROUP_PARAMS]:
+        a, b = ours.get(k, _MISSING), group.get(k, _MISSING)
+        if a is b:
+            continue
+        if torch.is_tensor(a) and torch.is_tensor(b):
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.to(a.device)):
+                return False
+        elif torch.is_tensor(a) or torch.is_tensor(b) or type(a) is not type(b) or a != b:
+            return False
+    return True
 
 
-def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
-    """Every param group's learning rate × ``factor`` for the duration (:func:`applied_settings`)."""
-    return applied_settings(optimizer, None, factor)
-
-
-def _same(a, b) -> bool:
-    """Whether a group still holds the value we wrote: the same object, or an equal plain value."""
-    if a is b:
-        return True
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return False
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:  # noqa: BLE001 -- an exotic value: not ours
-        return False
+def _refused(optimizer, why: str) -> str:
+    return (f"{type(optimizer).__name__}: a round's step must take the round's own settings (the estimate's learning "
+            "rate × acco.estimate.lr_scale, acco.dynamic.lr_scaling's rate, the settings captured at the round's "
+            f"launch), which differ from its param groups' now, and {why}; ACCO never writes them into the param "
+            "groups the compute thread reads; fix: use an optimizer whose step() reads its settings from "
+            "self.param_groups (move an instance's step override into a step hook: register_step_pre_hook), or "
+            "\"estimate\": \"paper\" with no LR scheduler stepped between rounds")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """DeepSpeed's Adam optimizers as functional estimates (see :mod:`ds_acco.core.functional_step`):
 DeepSpeedCPUAdam's AVX kernel and FusedAdam's CUDA kernel, transcribed op for op so that θ̃ equals
 what their step would compute. Their real step (every commit, and an estimate the transcription
-does not cover) runs on the round's own param groups (:func:`ds_acco.core.shard_optimizer.register_step_on_round_groups`):
-both read their settings from ``self.param_groups`` only, so the settings captured at the round's
-launch are what the step uses, whatever a scheduler writes on the compute thread meanwhile.
+does not cover) runs, as any optimizer's, on the round's own param groups
+(:class:`ds_acco.core.shard_optimizer.RoundView`): both read their settings from ``self.param_groups``
+only, so the settings captured at the round's launch are what the step uses, whatever a scheduler
+writes on the compute thread meanwhile.
 Registered with the core when this adapter is imported (the core knows no DeepSpeed class)."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
 from deepspeed.ops.adam.fused_adam import FusedAdam
 
-from ..core import functional_step, shard_optimizer
+from ..core import functional_step
 from ..core.functional_kernels import _chunks, _state_flat, _target, _Workspace
 from ..core.functional_step import _GROUP_PARAMS, _is_float, plain_tensors
 
@@ -246,5 +247,3 @@ def _fused_adam(p, g, out, group, state, step, adam_w_mode, ws):
 
 functional_step.register_estimate(DeepSpeedCPUAdam, _CpuAdamEstimate())
 functional_step.register_estimate(FusedAdam, _FusedAdamEstimate())
-for _cls in (DeepSpeedCPUAdam, FusedAdam):
-    shard_optimizer.register_step_on_round_groups(_cls)

@@ -34,7 +34,9 @@ def phase_end_allocations(acco: dict, optimizer: str = "adamw", extra: dict = No
         engine, *_ = ds_acco.initialize(model=model, optimizer=opt, config=cfg)
     counter = AllocCounter()
     torch_opt = engine.optimizer.optimizer
-    torch_opt.step = counter.pause(torch_opt.step)
+    # its step is not counted (hooks, not an override of step: a round's step runs on the round's own groups)
+    torch_opt.register_step_pre_hook(lambda *_: setattr(counter, "paused", counter.paused + 1))
+    torch_opt.register_step_post_hook(lambda *_: setattr(counter, "paused", counter.paused - 1))
     dtype = next(engine.module.parameters()).dtype
     g = torch.Generator().manual_seed(dist.get_rank())
     ends = []

@@ -1,12 +1,10 @@
 """Dynamic accumulation's learning-rate rule: the factor a round applies and how a step uses it
 (the end-to-end schedule is replayed against the reference in tests/deepspeed/test_dynamic.py)."""
-import copy
-
 import pytest
 import torch
 
 from ds_acco.core.rounds import RoundContext, RoundKind
-from ds_acco.core.shard_optimizer import ShardOptimizer, scaled_lr
+from ds_acco.core.shard_optimizer import ShardOptimizer
 
 
 def _ctx(power):
@@ -34,51 +32,105 @@ def _shards(kind, lr):
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "rmsprop"])
 def test_a_scaled_step_is_the_step_at_the_scaled_rate_and_leaves_the_groups_rate(kind):
-    """Functional steps (AdamW, SGD) read lr × scale without writing the group; RMSprop (no
-    functional step) takes its real step with the group's rate scaled for its duration. Both are
-    bit-identical to a step of an optimizer built with the scaled rate."""
+    """Functional steps (AdamW, SGD) read lr × scale; RMSprop (no functional step) takes its real step
+    on the round's own copies of the groups. Neither writes the group: both are bit-identical to a
+    step of an optimizer built with the scaled rate."""
     grads = [torch.randn(300), torch.randn(77)]
     params, opt = _shards(kind, 0.01)
     ref_params, ref_opt = _shards(kind, 0.04)  # 0.01 x 4, exactly
     shard, ref = ShardOptimizer(opt, params, chunk_elems=64), ShardOptimizer(ref_opt, ref_params, chunk_elems=64)
+    lr_object = opt.param_groups[0]["lr"]
     for _ in range(2):  # the second commit has optimizer state
         outs, ref_outs = [torch.empty(300), torch.empty(77)], [torch.empty(300), torch.empty(77)]
         shard.estimate_into(grads, outs, lr_scale=4.0)
         ref.estimate_into(grads, ref_outs)
         assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
-        lr_object = opt.param_groups[0]["lr"]
         shard.commit([g.clone() for g in grads], lr_scale=4.0)
         ref.commit([g.clone() for g in grads])
         assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
-        assert opt.param_groups[0]["lr"] == 0.01
-        if kind != "rmsprop":
-            assert opt.param_groups[0]["lr"] is lr_object  # never written: a scheduler may write it meanwhile
+        assert opt.param_groups[0]["lr"] is lr_object  # never written: another thread may read or write it
 
 
-def test_scaled_lr_is_undone_exactly_and_keeps_a_value_written_meanwhile():
+class _ReadsLrOnce(torch.optim.RMSprop):
+    """RMSprop whose step notes the rate the live group holds while it runs (what another thread sees)."""
+
+    def step(self, closure=None):
+        self.live_lrs.append(_lr_value(self.__dict__["param_groups"][0]["lr"]))
+        return super().step(closure)
+
+
+def _lr_value(lr):
+    return float(lr) if not torch.is_tensor(lr) else lr.item()
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "rmsprop-subclass", "adam", "adamw", "adagrad"])
+def test_a_tensor_rate_is_scaled_out_of_place_for_a_real_step(name):
+    """A tensor learning rate (no functional step: the snapshot's real step) takes × lr_scale without the
+    caller's tensor or group being written, before, during (as seen by the step itself) or after."""
+    make = {"rmsprop": torch.optim.RMSprop, "rmsprop-subclass": _ReadsLrOnce, "adam": torch.optim.Adam,
+            "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad}[name]
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(30))]
+    ref_params = [torch.nn.Parameter(params[0].detach().clone())]
+    lr = torch.tensor(0.01)
+    opt, ref_opt = make(params, lr=lr), make(ref_params, lr=torch.tensor(0.02))
+    opt.live_lrs, ref_opt.live_lrs = [], []
+    shard, ref = ShardOptimizer(opt, params), ShardOptimizer(ref_opt, ref_params)
+    assert not shard.functional
+    for _ in range(2):
+        grads = [torch.randn(30)]
+        outs, ref_outs = [torch.empty(30)], [torch.empty(30)]
+        shard.estimate_into(grads, outs, lr_scale=2.0, settings=shard.settings())
+        ref.estimate_into(grads, ref_outs)
+        assert torch.equal(outs[0], ref_outs[0])
+        assert opt.param_groups[0]["lr"] is lr and torch.equal(lr, torch.tensor(0.01))
+        shard.commit([g.clone() for g in grads], lr_scale=2.0)
+        ref.commit([g.clone() for g in grads])
+        assert torch.equal(params[0], ref_params[0])
+    if name == "rmsprop-subclass":
+        assert opt.live_lrs and set(opt.live_lrs) == {lr.item()}, opt.live_lrs
+
+
+def test_a_group_without_a_rate_cannot_be_scaled():
+    """An optimizer that computes its own rate (lr None) with lr_scale ≠ 1: refused naming the keys."""
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([{"params": [p], "lr": 0.1}, {"params": [], "lr": 0.3}])
-    with scaled_lr(opt, 3.0):
-        assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.3), pytest.approx(0.9)]
-    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.3]  # exactly the saved values
-    with scaled_lr(opt, 3.0):
-        opt.param_groups[0]["lr"] = 0.05  # e.g. Megatron's scheduler, on the caller's thread
-    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.3]
-    with pytest.raises(RuntimeError):
-        with scaled_lr(opt, 2.0):
-            raise RuntimeError("a failed step")
-    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.3]
-    # a float copy of the scaled value (what a snapshot/restore puts back) is still ours
-    with scaled_lr(opt, 2.0):
-        opt.param_groups[0]["lr"] = copy.deepcopy(opt.param_groups[0]["lr"]) + 0.0
-    assert opt.param_groups[0]["lr"] == 0.05
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.param_groups[0]["lr"] = None
+    with pytest.raises(ValueError, match=r"lr = None.*acco\.estimate\.lr_scale.*fix:"):
+        ShardOptimizer(opt, [p]).estimate_into([torch.ones(2)], [torch.empty(2)], lr_scale=2.0)
 
 
-def test_a_tensor_learning_rate_without_a_functional_step_is_refused():
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.RMSprop([p], lr=torch.tensor(0.1))
-    with pytest.raises(ValueError, match="lr_scaling.*tensor learning rate.*fix"):
-        with scaled_lr(opt, 2.0):
-            pass
-    with scaled_lr(opt, 1.0):  # the rule off: nothing to undo
-        pass
+class _Wrapper(torch.optim.Optimizer):
+    """Steps an inner optimizer whose groups it shares (a Lookahead-style wrapper): its step never
+    reads ``self.param_groups``, so a round's own settings would not reach it."""
+
+    def __init__(self, inner):
+        self.inner, self.param_groups, self.state, self.defaults = inner, inner.param_groups, inner.state, {}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+def test_a_step_that_ignores_the_rounds_groups_is_refused_not_run_at_the_wrong_rate():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = _Wrapper(torch.optim.RMSprop([p], lr=0.1))
+    shard = ShardOptimizer(opt, [p])
+    out = [torch.empty(3)]
+    shard.estimate_into([torch.ones(3)], out)  # lr × 1, the groups' own: nothing to refuse
+    with pytest.raises(ValueError, match="did not read the learning rate.*fix:"):
+        shard.estimate_into([torch.ones(3)], out, lr_scale=2.0)
+    assert torch.equal(p.detach(), torch.zeros(3)) and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_an_instance_step_override_runs_only_with_the_groups_own_settings():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.RMSprop([p], lr=0.1)
+    calls, real = [], opt.step
+    opt.step = lambda *a, **k: (calls.append(opt.param_groups[0]["lr"]), real(*a, **k))[1]
+    shard = ShardOptimizer(opt, [p])
+    shard.commit([torch.ones(3)])
+    assert calls == [0.1]
+    with pytest.raises(ValueError, match="overridden on the instance.*fix:"):
+        shard.estimate_into([torch.ones(3)], [torch.empty(3)], lr_scale=2.0)
+    assert calls == [0.1] and opt.param_groups[0]["lr"] == 0.1

@@ -61,3 +61,19 @@ def test_an_estimate_round_wider_than_the_rounds_is_refused():
     assert caught.value.refusal == "estimate_dtype_deepspeed"
     assert str(caught.value).startswith("acco.estimate_comm_dtype = 'fp32' is wider than the communication dtype "
                                         "torch.bfloat16; fix:")
+
+
+def test_a_scaled_estimate_needs_a_rate_in_every_group():
+    """HF's Adafactor with relative_step=True computes its own rate (lr None): the default look-ahead
+    (lr_scale 2) cannot scale it, refused naming the key; the paper's estimate and mode dpu need none."""
+    from transformers.optimization import Adafactor
+    make = lambda ps: Adafactor(ps, lr=None, relative_step=True)  # noqa: E731
+    with pytest.raises(ValueError) as caught:
+        check_estimate_variant(AccoConfig(enabled=True).estimate, _shard_optimizer(make))
+    assert caught.value.refusal == "estimate_lr_scale_without_lr"
+    assert str(caught.value).startswith("acco.estimate.lr_scale = 2.0 scales") and "lr = None" in str(caught.value)
+    assert "Adafactor's param group 0" in str(caught.value) and "fix: set \"estimate\": \"paper\"" in str(caught.value)
+    check_estimate_variant(AccoConfig(enabled=True, estimate="paper").estimate, _shard_optimizer(make))
+    check_estimate_variant(AccoConfig(enabled=True).estimate, _shard_optimizer(make), rounds=False)
+    check_estimate_variant(AccoConfig(enabled=True).estimate,
+                           _shard_optimizer(lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.1))))

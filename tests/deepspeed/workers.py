@@ -134,6 +134,8 @@ DS_OPTIMIZERS = {
     "ds:adamw-torch": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "weight_decay": 0.1,
                                                    "torch_adam": True}},
     "ds:adamw-fused": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "weight_decay": 0.1}},
+    # DeepSpeed's "Adam" (FusedAdam's CPU op here) in L2 mode: torch Adam's step, as make_optimizer("adam")
+    "ds:adam-fused": {"type": "Adam", "params": {"lr": 0.02, "betas": [0.9, 0.999], "adam_w_mode": False}},
 }
 
 
