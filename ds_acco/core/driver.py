@@ -225,6 +225,15 @@ class AccoDriver:
         self.lr.step_owed()
         return self.schedule.drain()
 
+    def drain_for_load(self) -> Optional[RoundResult]:
+        """Wait for the round in flight before a load replaces the weights, the optimizer's state
+        and param groups and the LR scheduler. The scheduler step owed for a launched commit stays
+        owed: the caller's next ``step()`` takes it on the loaded scheduler, after the loaded param
+        groups, where stock takes it (Megatron's protocol: a load between the ``backward()`` that
+        launched the commit and its ``step()``). Taken before the load it would be lost with the old
+        scheduler; taken inside it, the loaded param groups would overwrite the rate it set."""
+        return self.schedule.drain()
+
     def committed_weights(self):
         return self.schedule.committed_weights()
 
