@@ -43,7 +43,7 @@ from .options import ScheduleOptions
 from .phases import FixedPhases, SharedPhases
 from .refusals import check_estimate_variant, one_queue_serialisation, refuse
 from .report import RoundReport
-from .rounds import RoundResult
+from .rounds import RoundKind, RoundResult
 from .schedule import AccoSchedule
 from .shard_optimizer import ShardOptimizer
 
@@ -128,7 +128,8 @@ class AccoDriver:
             groups, self.shard_optimizer, self.lane, process_group=rounds_group, rank=rank, world=len(ranks),
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(rounds_group), norm_group=norm_group,
             loss_scale=host.loss_scale, report=self._report, on_commit=self._on_commit,
-            before_launch=self.lr.step_owed, after_launch=self.lr.launched)
+            before_launch=self.lr.step_owed, after_launch=self._launched)
+        self.commits_launched = 0  # optimizer steps ended on this rank (a host counts its steps by it)
         self._boundary: Optional[bool] = None
         self._abandoned = False
         self._previous_sigterm = None
@@ -207,10 +208,31 @@ class AccoDriver:
     def end_phase(self) -> None:
         self.schedule.end_phase()
 
+    def _launched(self, kind: RoundKind) -> None:
+        if kind is RoundKind.COMMIT:
+            self.commits_launched += 1
+        self.lr.launched(kind)
+
+    @property
+    def commit_in_flight(self) -> bool:
+        """Whether a commit was launched and is not booked yet (its step's samples, skip and
+        learning rate are known only then)."""
+        inflight = self.schedule.inflight
+        return inflight is not None and inflight.kind is RoundKind.COMMIT and not inflight.committed
+
     def drain(self) -> Optional[RoundResult]:
         """Wait for the round in flight (a finished commit counts as committed); the LR scheduler
         step owed for a launched commit is taken first, so a checkpoint holds it."""
         self.lr.step_owed()
+        return self.schedule.drain()
+
+    def drain_for_load(self) -> Optional[RoundResult]:
+        """Wait for the round in flight before a load replaces the weights, the optimizer's state
+        and param groups and the LR scheduler. The scheduler step owed for a launched commit stays
+        owed: the caller's next ``step()`` takes it on the loaded scheduler, after the loaded param
+        groups, where stock takes it (Megatron's protocol: a load between the ``backward()`` that
+        launched the commit and its ``step()``). Taken before the load it would be lost with the old
+        scheduler; taken inside it, the loaded param groups would overwrite the rate it set."""
         return self.schedule.drain()
 
     def committed_weights(self):

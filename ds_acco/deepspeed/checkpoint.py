@@ -37,8 +37,9 @@ def load(engine, stock_load, load_dir, tag=None, **kwargs):
     restored when the checkpoint has it for this world size, otherwise a fresh phase starts at the
     loaded (committed) weights."""
     engine._acco_leave_committed_weights(settle=True)  # DeepSpeed's load writes the flat live weights
-    schedule = engine._acco_driver().schedule
-    schedule.drain()
+    driver = engine._acco_driver()
+    driver.drain_for_load()  # an LR scheduler step still owed is taken by the caller's next step()
+    schedule = driver.schedule
     engine.optimizer.pending_acco_state = None
     out = stock_load(load_dir, tag=tag, **kwargs)
     if out[0] is None:

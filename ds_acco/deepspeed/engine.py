@@ -25,6 +25,7 @@ from ..core.refusals import check_layout, refuse, under_caller_boundary
 from ..core.phases import FixedPhases
 from ..weights import ExportHooks
 from . import checkpoint
+from .step_figures import stamped_monitor, unsynchronise_timers
 from .layout import built_layout, check_ranks_agree
 from .optimizer import AccoZeroOptimizer
 
@@ -62,6 +63,10 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_pending = False  # a backward whose micro-batch step() has not counted yet
         self._acco_window_skipped = False  # a commit skipped since the last step() (caller-boundary mode)
         self._acco_warned_boundary = False
+        # While DeepSpeed's step() runs after its model step: whether an optimizer step ended there
+        # (a commit was launched), what its per-step figures count (step_figures.py).
+        self._acco_step_ended: Optional[bool] = None
+        self._acco_commits_at_step = 0  # commits launched when the caller's last step() returned
         self._acco_exports = None  # ExportHooks: every state_dict() of the model reads the committed θ
         super().__init__(*args, **kwargs)
         if not isinstance(self.optimizer, AccoZeroOptimizer):
@@ -73,27 +78,8 @@ class AccoEngine(DeepSpeedEngine):
         ignored = replaced_keys(self._config._param_dict)
         if ignored and self.global_rank == 0:
             logger.warning(f"ACCO owns gradient communication; keys {ignored} have no effect (ds_acco/config_keys.py)")
-        self._acco_unsynchronise_timers()
-
-    def _acco_unsynchronise_timers(self) -> None:
-        """DeepSpeed's throughput timer synchronises the whole device at every forward and every
-        step() by default (``timers.throughput.synchronized``): on a GPU that waits for the lane's
-        side stream, so no round would overlap compute. Under ACCO it times on the host instead,
-        unless the config asks for the synchronisation explicitly (then a warning says what it
-        costs); ``wall_clock_breakdown`` synchronises too and gets the same warning."""
-        timer_cfg = getattr(self.tput_timer, "config", None)
-        asked = self._config._param_dict.get("timers", {}).get("throughput", {}).get("synchronized")
-        costly = []
-        if timer_cfg is not None and getattr(timer_cfg, "synchronized", False):
-            if asked is None:
-                self.tput_timer.config = timer_cfg.model_copy(update={"synchronized": False})
-            else:
-                costly.append("timers.throughput.synchronized = true")
-        if self.wall_clock_breakdown():
-            costly.append("wall_clock_breakdown = true")
-        if costly and self.global_rank == 0:
-            logger.warning(f"ACCO: {' and '.join(costly)} synchronise the whole device at every micro-batch, so "
-                           "no communication round overlaps compute on a GPU; fix: remove them for training runs")
+        unsynchronise_timers(self)
+        self.monitor = stamped_monitor(self, driver)  # DeepSpeed's per-step events, stamped at each commit's booking
 
     # -- construction seam ----------------------------------------------------------------------
     def _configure_distributed_model(self, model):
@@ -127,9 +113,13 @@ class AccoEngine(DeepSpeedEngine):
     def is_gradient_accumulation_boundary(self):
         """True when the current micro-batch ends an ACCO phase (fixed: every A/2 micro-batches in
         'acco', every A in 'dpu'). With dynamic accumulation the phase end is decided in
-        ``step()``; asked before it, the answer is the forecast if the step were now."""
+        ``step()``; asked before it, the answer is the forecast if the step were now. Inside
+        ``step()``, after the phase end: whether an optimizer step ended (a commit was launched), so
+        DeepSpeed's throughput timer and monitor count optimizer steps as stock does."""
         driver = self._acco_driver()
-        return super().is_gradient_accumulation_boundary() if driver is None else driver.is_boundary()
+        if driver is None:
+            return super().is_gradient_accumulation_boundary()
+        return driver.is_boundary() if self._acco_step_ended is None else self._acco_step_ended
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         """Megatron-DeepSpeed's protocol (``forward_backward_no_pipelining`` + ``train_step``): the
@@ -204,20 +194,33 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_leave_committed_weights()
         if self._acco_caller_boundary is not None and not self._acco_pending:
             # Once per iteration of a caller that sets the boundary: the micro-batches were counted
-            # (and phases ended) in backward(); only the per-iteration bookkeeping is left.
-            self._acco_lr_kwargs = lr_kwargs
-            driver.step_lr_scheduler_owed()  # where stock steps it: the LR read after step() is stock's
+            # (and phases ended) in backward(); DeepSpeed's step() counts the optimizer step launched
+            # since the last step() and takes its scheduler step (_take_model_step).
+            self._acco_step_ended = driver.commits_launched != self._acco_commits_at_step
+            try:
+                super().step(lr_kwargs)
+            finally:
+                self._acco_step_ended = None
+                self._acco_commits_at_step = driver.commits_launched
             self._step_applied = not self._acco_window_skipped
             self._acco_window_skipped = False
             return None
         self._acco_pending = False
         weight, self._acco_weight = self._acco_weight, 1.0
         with driver.micro_batch(weight):
-            return super().step(lr_kwargs)  # at a phase end: _take_model_step -> optimizer.step()
+            try:
+                return super().step(lr_kwargs)  # at a phase end: _take_model_step -> optimizer.step()
+            finally:
+                self._acco_step_ended = None
 
     def _take_model_step(self, lr_kwargs):
         self._acco_lr_kwargs = lr_kwargs
-        self.optimizer.step()  # ends the phase; a commit collected here runs the driver's bookkeeping
+        driver = self._acco_driver()
+        if self._acco_step_ended is None:  # not under a caller-set boundary: this micro-batch ends a phase
+            launched = driver.commits_launched
+            self.optimizer.step()  # ends the phase; a commit collected here runs the driver's bookkeeping
+            self._acco_step_ended = driver.commits_launched != launched
+        driver.step_lr_scheduler_owed()  # where stock steps it: the LR read after step() is stock's
 
     # -- commit bookkeeping (the driver counts global/skipped steps and logs) ----------------------
     def _acco_step_lr_scheduler(self):
@@ -251,6 +254,7 @@ class AccoEngine(DeepSpeedEngine):
         samples = total.weight if self._acco_config.weighting == "sample" else (
             total.micro_batches * self.train_micro_batch_size_per_gpu())
         self.global_samples += int(samples)
+        self.monitor.booked(self.global_samples)
 
     @property
     def acco_metrics(self):

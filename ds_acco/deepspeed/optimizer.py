@@ -214,7 +214,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                         checkpoint_folder=None, load_serial=None, param_shapes=None):
-        self.driver.drain()
+        self.driver.drain_for_load()  # an LR scheduler step still owed is taken after the load
         super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
                                 load_from_fp32_weights=load_from_fp32_weights, checkpoint_folder=checkpoint_folder,
                                 load_serial=load_serial, param_shapes=param_shapes)

@@ -128,3 +128,62 @@ def _megatron_evaluate(engine, gas, rank):
 
 def megatron_cases(cases):
     return [megatron_run(c) for c in cases]
+
+
+def megatron_load_run(case: dict, save_dir: str):
+    """Megatron's iterations (see the module docstring) with a checkpoint saved after iteration
+    ``save_at``'s ``step()`` and loaded in iteration ``load_at`` between its last ``backward()`` (which
+    launches ACCO's commit of that iteration) and its ``step()``. ``case``: name, mode ('stock', 'acco',
+    'dpu'), gas, iters, save_at, load_at, scheduler ('increment': IncrementLR, 'megatron-like'),
+    nan_at [(rank, micro-batch)]. Returns what a caller reads after every ``step()`` and the settings
+    every optimizer step used (tests/deepspeed/lr_workers.py ``record_used``)."""
+    import os
+    from lr_workers import record_used
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+    gas = case["gas"]
+    model = TinyNet(seed=0)
+    opt = make_optimizer("adamw")(model)
+    if case["scheduler"] == "megatron-like":
+        from schedulers import MegatronLikeScheduler
+        sched = MegatronLikeScheduler(opt)
+    else:
+        sched = IncrementLR(opt)
+    acco = None if case["mode"] == "stock" else {"enabled": True, "mode": case["mode"]}
+    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(gas, acco))
+    used = record_used(engine, opt)
+    it = 0
+    stock_step_lrs = {}  # stock: iteration -> the lr its optimizer step used (ZeRO steps group 0 first)
+    if acco is None:
+        def pre_step(o, args, kwargs):
+            stock_step_lrs.setdefault(it, o.param_groups[0]["lr"])
+        opt.register_step_pre_hook(pre_step)
+    nan_at = [tuple(p) for p in case.get("nan_at", ())]
+    path = os.path.join(save_dir, case["name"])
+    after_step = []
+    for it in range(case["iters"]):
+        for k in range(gas):
+            engine.set_gradient_accumulation_boundary(k == gas - 1)
+            x, y = batch(rank, it * gas + k)
+            if (rank, it * gas + k) in nan_at:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            engine.backward(engine(x, y))
+        if it == case["load_at"]:
+            loaded, _ = engine.load_checkpoint(path, tag="saved")
+            assert loaded is not None
+        engine.step(lr_kwargs={"increment": INCREMENT})
+        after_step.append({"lr": engine.get_lr()[0], "logged": settings(opt), "applied": engine.was_step_applied(),
+                           "scheduler": sched.state_dict() if case["scheduler"] == "megatron-like"
+                           else sched.last_epoch})
+        if it == case["save_at"]:
+            engine.save_checkpoint(path, tag="saved")
+    engine.destroy()  # ACCO: the last commit is collected here
+    # ACCO: one commit launched per iteration (in its last backward), in launch order
+    step_lrs = ([stock_step_lrs.get(i) for i in range(case["iters"])] if acco is None else
+                [u["settings"][0]["lr"] for u in used if u["kind"] == "commit"])
+    return {"after_step": after_step, "step_lrs": step_lrs, "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps}
+
+
+def megatron_load_cases(cases, save_dir):
+    return [megatron_load_run(c, save_dir) for c in cases]
