@@ -6,6 +6,9 @@ the same script runs without ds_acco.
 ds_acco; the config has an enabled ``"acco"`` block, which stock DeepSpeed ignores.
 """
 import json
+import os
+import sys
+import sysconfig
 
 import pytest
 
@@ -57,8 +60,20 @@ def test_run_under_deepspeed_launcher_module_mode(tmp_path):
     assert out.count(BANNER) == 1, tail(out)
 
 
+def _without_site_env() -> dict:
+    """The ranks start with ``python -S``: no ``.pth`` of site-packages runs, so ds_acco's guard (which
+    an installed ds_acco, editable or not, arms at start-up and which refuses this launch) is absent,
+    as for a job without ds_acco; site-packages itself stays importable through PYTHONPATH."""
+    env = base_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], sysconfig.get_paths()["purelib"]])
+    return env
+
+
 def test_without_ds_acco_the_script_is_stock(tmp_path):
-    res, out = _run("torchrun (stock)", torchrun_cmd(SCRIPT, "--deepspeed", _config(tmp_path)))
+    cmd = torchrun_cmd("--no-python", sys.executable, "-S", SCRIPT, "--deepspeed", _config(tmp_path))
+    proc = start(cmd, _without_site_env())
+    out, timed_out = communicate(proc, TIMEOUT_S)
+    res, out = _result("torchrun (stock, python -S)", cmd, out, proc.returncode, timed_out)
     assert (res["engine"], res["optimizer"]) == ("DeepSpeedEngine", "DeepSpeedZeroOptimizer")
     assert res["global_steps"] == 2
     assert "ACCO is on" not in out
