@@ -231,6 +231,14 @@ class AccoConfig(BaseModel):
                              "max_micro_batches or lower min_micro_batches")
         return cfg
 
+    def estimate_in_banner(self) -> str:
+        """The banner's words for the estimate: the one in use and the key that gives the paper's
+        (the default departs from it; docs/estimate.md)."""
+        if self.mode != "acco":
+            return "no estimate (mode dpu)"
+        name, paper = self.estimate.name(), '"estimate": "paper"'
+        return f"estimate={name} ({paper})" if name == "the paper's" else f"estimate={name}, the paper's: {paper}"
+
     def phase_length(self, gradient_accumulation_steps: int) -> int:
         """Micro-batches per phase and rank in fixed accumulation (in 'shared': the equal share)."""
         return gradient_accumulation_steps // 2 if self.mode == "acco" else gradient_accumulation_steps

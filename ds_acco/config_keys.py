@@ -220,6 +220,10 @@ def check_deepspeed_compat(acco, ds) -> None:
     """Refuse the DeepSpeed settings ACCO does not honour (the ``refused`` rows of :data:`KEYS`), naming
     the key, the value and the fix. ``ds`` is DeepSpeed's parsed ``DeepSpeedConfig``."""
     check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
+    if getattr(ds, "gradient_allreduce_op", "mean") == "sum" and (acco.accumulation != "fixed"
+                                                                 or acco.weighting != "micro_batch"):
+        raise refuse("sum_not_fixed", f'gradient_allreduce_op = "sum" with accumulation = {acco.accumulation!r}, '
+                                      f"weighting = {acco.weighting!r}")
     if getattr(ds, "managed_gradient_accumulation", True) is False:
         raise refuse("unmanaged_accumulation", "managed_gradient_accumulation = false")
     bf16 = getattr(ds, "bfloat16_config", None)

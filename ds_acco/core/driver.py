@@ -160,7 +160,7 @@ class AccoDriver:
                 f"{comm_mb:.1f} MiB, gradients in {dtypes.comm_dtype} (estimate rounds "
                 f"{dtypes.estimate_dtype or dtypes.comm_dtype}), parameters in {dtypes.live_dtype}, "
                 f"{'reduce-scatter' if self.schedule.context.reduce_scatter else 'all-reduce + slice'}, "
-                f"synchronous={self.config.synchronous}; {estimate_in_banner(self.config)}")
+                f"synchronous={self.config.synchronous}; {self.config.estimate_in_banner()}")
 
     # -- the micro-batch protocol -------------------------------------------------------------
     def check_weight(self, weight: Optional[float], call: str) -> float:
@@ -390,12 +390,3 @@ class AccoDriver:
         """The rounds' own process group (None once released)."""
         return self.schedule.context.process_group
 
-
-def estimate_in_banner(config) -> str:
-    """The banner's words for the estimate: the one in use and the key that gives the paper's
-    (the default departs from it; docs/estimate.md)."""
-    if config.mode != "acco":
-        return "no estimate (mode dpu)"
-    name = config.estimate.name()
-    paper = '"estimate": "paper"'
-    return f"estimate={name} ({paper})" if name == "the paper's" else f"estimate={name}, the paper's: {paper}"

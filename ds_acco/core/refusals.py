@@ -138,6 +138,10 @@ _ROWS = (
             "gradient_accumulation_steps micro-batches per optimizer step itself",
             "remove it (or set true), set gradient_accumulation_steps to your k and call engine.step() after every "
             "engine.backward(), or disable acco"),
+    Refusal("sum_not_fixed", "gradient_allreduce_op = \"sum\" with accumulation or weighting other than fixed / micro_batch",
+            "stock sums each rank's mean over its own micro-batches; with uneven counts or weights there is no such "
+            "sum to match (ACCO's rounds take one mean over every rank's micro-batches)",
+            "drop gradient_allreduce_op (the mean), or use accumulation \"fixed\" and weighting \"micro_batch\""),
     Refusal("bf16_master_weights", "bf16.bf16_master_weights_and_grads",
             "ACCO keeps fp32 master shards and steps them with fp32 gradients",
             "remove bf16_master_weights_and_grads (and bf16_optimizer_states) or disable acco"),

@@ -244,3 +244,19 @@ def test_keys_set_to_deepspeeds_default_are_not_warned_about():
            "zero_optimization": {"stage": 1, "overlap_comm": False, "reduce_bucket_size": 500_000_000,
                                  "contiguous_gradients": True, "allgather_partitions": False}}
     assert replaced_keys(raw) == ["zero_optimization.allgather_partitions"]
+
+
+@pytest.mark.parametrize("acco", [{"accumulation": "dynamic"}, {"accumulation": "shared"}, {"weighting": "sample"},
+                                  {"weighting": "token"}])
+def test_a_sum_over_uneven_micro_batches_is_refused(tmp_path, acco):
+    """Stock's "sum" is a sum of equal rank means; with uneven counts or weights ACCO's one global mean
+    times the ranks is another number, so the combination is refused, not run."""
+    rc, err = _check(tmp_path, {"gradient_allreduce_op": "sum", "acco": {"enabled": True, **acco}})
+    assert rc == cli.EXIT_ERROR and 'gradient_allreduce_op = "sum" with accumulation' in err, err
+    assert "fix: drop gradient_allreduce_op" in err, err
+    from ds_acco.config import AccoConfig
+    from ds_acco.config_deepspeed import deepspeed_config_at
+    from ds_acco.config_keys import check_deepspeed_compat
+    with pytest.raises(ValueError) as caught:
+        check_deepspeed_compat(AccoConfig(enabled=True, **acco), deepspeed_config_at({**BASE, "gradient_allreduce_op": "sum"}, 2))
+    assert caught.value.refusal == "sum_not_fixed"
