@@ -6,9 +6,9 @@
 Lightning fills it from ``accumulate_grad_batches=4``) must build an ACCO engine that trains (the
 held-out loss falls); every validation must evaluate the committed weights θ -- also when the module
 keeps its layers in training mode, so that Lightning never calls ``engine.eval()``
-(tests/launch/lightning_no_eval.py); the run must be bit-reproducible, a Lightning checkpoint saved
-after 2 epochs and resumed for a third must end on exactly the weights of 3 uninterrupted epochs, and
-``"synchronous": true`` (every round inline) must end on them too. The same command without
+(tests/launch/lightning_no_eval.py); ``"synchronous": true`` (every round inline) must train the same, bit for bit (checked together with
+the train-mode validation, in one launch), and a Lightning checkpoint saved after 2 epochs and
+resumed for a third must end on exactly the weights of 3 uninterrupted epochs. The same command without
 ``-m ds_acco run`` must be refused by the guard on every rank.
 
 As in tests/integration/test_accelerate_example.py every process gets the wheel's guard
@@ -91,8 +91,15 @@ def test_readme_lightning_command_trains_acco_validates_theta_resumes_and_reprod
     # Each validation evaluated θ: the last one (after the last commit) read exactly the exported weights.
     assert full["val_checksums"][-1] == full["final_checksum"], full
 
-    # Validation without engine.eval() (train-mode layers) still reads θ; its training is the same, bit for bit.
-    no_eval = run(env, "tests/launch/lightning_no_eval.py", tmp_path / "no_eval", "--epochs", "3")
+    # Validation without engine.eval() (train-mode layers) still reads θ, and every round inline on the
+    # compute thread ("synchronous": true) trains the same, bit for bit: one launch checks both (either
+    # bug alone fails it: a validation on θ̃ changes the checksums, a synchronous schedule that differs
+    # changes the losses and the weights).
+    config = json.loads((REPO / "examples" / "lightning_ds_config.json").read_text())
+    config["acco"]["synchronous"] = True
+    (tmp_path / "sync.json").write_text(json.dumps(config))
+    no_eval = run(env, "tests/launch/lightning_no_eval.py", tmp_path / "no_eval", "--epochs", "3",
+                  "--config", str(tmp_path / "sync.json"))
     assert no_eval["val_checksums"] == full["val_checksums"], (no_eval["val_checksums"], full["val_checksums"])
     assert no_eval["train_losses"] == full["train_losses"] and same_weights(no_eval["final"], full["final"])
 
@@ -103,12 +110,6 @@ def test_readme_lightning_command_trains_acco_validates_theta_resumes_and_reprod
     assert resumed["global_steps"] == 18 and resumed["train_losses"] == full["train_losses"][48:], resumed
     assert same_weights(resumed["final"], full["final"])
 
-    # Every round inline on the compute thread: the same weights.
-    config = json.loads((REPO / "examples" / "lightning_ds_config.json").read_text())
-    config["acco"]["synchronous"] = True
-    (tmp_path / "sync.json").write_text(json.dumps(config))
-    sync = run(env, script, tmp_path / "sync", "--epochs", "3", "--config", str(tmp_path / "sync.json"))
-    assert sync["train_losses"] == full["train_losses"] and same_weights(sync["final"], full["final"])
 
 
 def test_unrouted_lightning_launch_is_refused(tmp_path):
