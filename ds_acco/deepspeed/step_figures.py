@@ -12,9 +12,11 @@ Stock writes those monitor events after its optimizer step, with the global samp
 that step as the x axis and the learning rate after its scheduler step. ACCO knows both only when
 the commit is collected, a phase later: the samples of a step are all ranks' (dynamic phases,
 weighting by sample) and a skipped commit has its scheduler step undone then. So the events that
-DeepSpeed writes while a commit is in flight are held (:class:`CommitStampedMonitor`) and written
-when it is booked, with that step's x axis and the learning rate and loss scale of then: stock's
-figures for that step, one phase later (the last step's at the drain: ``destroy()``, a save).
+DeepSpeed's own ``step()`` writes for a step whose commit is in flight are held
+(:class:`CommitStampedMonitor`) and written when it is booked, with that step's x axis and the
+learning rate and loss scale of then: stock's figures for that step, one phase later (the last
+step's at the drain: ``destroy()``, a save). Every other event written through ``engine.monitor``
+(the user's own, ACCO's metrics) reaches the monitor at once and unchanged, as under stock.
 """
 from __future__ import annotations
 
@@ -24,20 +26,22 @@ from deepspeed.utils import logger
 
 
 class CommitStampedMonitor:
-    """DeepSpeed's monitor as an ACCO engine's own ``step()`` sees it (``engine.monitor``): events
-    written while a commit is in flight are held and written at its booking (:meth:`booked`); any
-    other attribute is the wrapped monitor's (``MonitorMaster``: ``csv_monitor``, ...).
+    """DeepSpeed's monitor on an ACCO engine (``engine.monitor``): the per-step events DeepSpeed's
+    own ``step()`` writes for a step whose commit is in flight are held and written at the commit's
+    booking (:meth:`booked`); any other event is written at once, as given. Any other attribute is
+    the wrapped monitor's (``MonitorMaster``: ``csv_monitor``, ...).
 
     Args:
         monitor: DeepSpeed's ``MonitorMaster``.
-        commit_in_flight: whether a commit was launched and not yet booked.
+        holds: whether DeepSpeed's ``step()`` is emitting its per-step figures (after
+            its model step) for a commit that was launched and not yet booked.
         current: per event name, how to read its value at the booking (an event not named keeps
             the value it was written with: the wall-clock timings of the step's own micro-batches).
     """
 
-    def __init__(self, monitor, commit_in_flight: Callable[[], bool], current: Dict[str, Callable[[], Any]]):
+    def __init__(self, monitor, holds: Callable[[], bool], current: Dict[str, Callable[[], Any]]):
         self.monitor = monitor
-        self._commit_in_flight = commit_in_flight
+        self._holds = holds
         self._current = current
         self._held: List[Tuple[str, Any]] = []
 
@@ -51,8 +55,8 @@ class CommitStampedMonitor:
         return self.monitor.enabled
 
     def write_events(self, event_list) -> None:
-        if not self._commit_in_flight():
-            self.monitor.write_events(event_list)  # booked already (a synchronous warm-up step)
+        if not self._holds():  # not DeepSpeed's step(), or booked already (a synchronous warm-up step)
+            self.monitor.write_events(event_list)
             return
         self._held.extend((name, value) for name, value, _ in event_list)
 
@@ -65,8 +69,10 @@ class CommitStampedMonitor:
 
 
 def stamped_monitor(engine, driver) -> CommitStampedMonitor:
-    """``engine.monitor`` wrapped for an ACCO engine, its lr and loss scale read as DeepSpeed reads them."""
-    return CommitStampedMonitor(engine.monitor, lambda: driver.commit_in_flight, {
+    """``engine.monitor`` wrapped for an ACCO engine, its lr and loss scale read as DeepSpeed reads them.
+    DeepSpeed writes its per-step figures in ``step()`` after its model step, where the engine
+    answers whether an optimizer step ended (``_acco_step_ended``, None outside that region)."""
+    return CommitStampedMonitor(engine.monitor, lambda: bool(engine._acco_step_ended) and driver.commit_in_flight, {
         "Train/Samples/lr": lambda: engine.get_lr()[0],
         "Train/Samples/loss_scale": engine._get_optimizer_loss_scale,
     })

@@ -5,6 +5,9 @@ objects, for one engine trained a fixed number of optimizer steps.
 The monitor is DeepSpeed's csv_monitor (one file per event name, rows ``step, value``); the log
 lines are read where DeepSpeed writes them: the throughput timer's logging function, the
 ``step=..., skipped=...`` progress line (DeepSpeed's logger) and the wall-clock timers' ``log``.
+Like a user's training loop, each run also writes its own event through ``engine.monitor`` after
+every micro-batch (:data:`USER_EVENT`, its own x axis), and rank 0 records whether it was in the
+monitor's file right after the call.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import ds_acco
 from fixtures import TinyNet, batch, ds_config, make_optimizer
 from lr_workers import FP16
 
+USER_EVENT = "User/micro_batch"  # x: the micro-batch's index, value: 10x it
 TIMER_COUNTERS = ("global_step_count", "micro_step_count", "epoch_count", "batch_size", "start_step")
 
 
@@ -39,12 +43,16 @@ def _record_logs(engine):
 
 def read_monitor(path: str) -> dict:
     """csv_monitor's files: {event name: [(x, value), ...]} (values as written)."""
-    out = {}
-    for name in sorted(os.listdir(path)):
-        with open(os.path.join(path, name)) as f:
-            rows = list(csv.reader(f))[1:]
-        out[name[:-len(".csv")]] = [(int(x), v) for x, v in rows]
-    return out
+    return {name[:-len(".csv")]: read_monitor_file(os.path.join(path, name)) for name in sorted(os.listdir(path))}
+
+
+def read_monitor_file(path: str) -> list:
+    """One event's csv_monitor file: [(x, value), ...] ([] before its first write)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = list(csv.reader(f))[1:]
+    return [(int(x), v) for x, v in rows]
 
 
 def step_figures_run(case: dict, monitor_dir: str) -> dict:
@@ -71,6 +79,8 @@ def step_figures_run(case: dict, monitor_dir: str) -> dict:
     nan_at = {tuple(p) for p in case.get("nan_at", ())}
     dtype = next(engine.module.parameters()).dtype
     timer_after_step = []  # the throughput timer's counters after every step() call
+    user_writes = []  # per user event: (commit in flight when written, its rows in the monitor's file right after)
+    user_file = os.path.join(monitor_dir, case["name"], USER_EVENT.replace("/", "_") + ".csv")
     for i in range(gas * steps):
         x, y = batch(rank, i)
         if (rank, i) in nan_at:
@@ -84,14 +94,21 @@ def step_figures_run(case: dict, monitor_dir: str) -> dict:
         if case["protocol"] == "per_mb" or i % gas == gas - 1:
             engine.step()
             timer_after_step.append({k: getattr(engine.tput_timer, k) for k in TIMER_COUNTERS})
+        driver = getattr(engine.optimizer, "driver", None)
+        in_flight = driver is not None and driver.commit_in_flight
+        engine.monitor.write_events([(USER_EVENT, 10 * i, i)])
+        if rank == 0:
+            user_writes.append((in_flight, len(read_monitor_file(user_file))))
     engine.destroy()  # ACCO: the last commit is collected here
     logger.removeHandler(handler)
     logger.setLevel(logging.WARNING)
     out = {"timer": timer_after_step, "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-           "global_samples": engine.global_samples, "micro_steps": engine.micro_steps, "lines": lines}
+           "global_samples": engine.global_samples, "micro_steps": engine.micro_steps, "lines": lines,
+           "user_writes": user_writes}
     dist.barrier()
     if rank == 0:
         out["events"] = read_monitor(os.path.join(monitor_dir, case["name"]))
+        out["user_events"] = out["events"].pop(USER_EVENT.replace("/", "_"))
     return out
 
 

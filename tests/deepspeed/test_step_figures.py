@@ -18,6 +18,10 @@ micro-batches with the caller setting the boundary, Megatron's), with fp16 and a
   timings' values are wall time);
 * the progress lines and the wall-clock timer lines (which timers each logs), in order, except the
   ZeRO optimizer's own ``optimizer_*`` timers line: ACCO's optimizer step runs in its rounds.
+
+The user's own events written through ``engine.monitor`` (after every micro-batch, its own x axis)
+reach the monitor at once and unchanged, as under stock, in every phase: only DeepSpeed's own
+per-step events wait for their commit's booking.
 """
 import pytest
 
@@ -88,3 +92,16 @@ def test_progress_and_wall_clock_lines_are_stocks(runs, mode, protocol):
         assert acco["lines"]["progress"] == stock["lines"]["progress"]  # step=, skipped=, lr=, mom=
         engine_timers = [t for t in stock["lines"]["timers"] if t != OPTIMIZER_TIMERS]
         assert acco["lines"]["timers"] == engine_timers
+
+
+@pytest.mark.parametrize("protocol", ["per_mb", "megatron"])
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_user_events_pass_through_unchanged_and_at_once(runs, mode, protocol):
+    for precision in ("fp32", "fp16-skip"):
+        stock, acco = runs[0][("stock", protocol, precision)], runs[0][(mode, protocol, precision)]
+        want = [(i, str(10 * i)) for i in range(GAS * STEPS)]
+        assert stock["user_events"] == want  # the harness: stock writes the user's events as given
+        assert acco["user_events"] == want  # the user's x axis and values, none collapsed, in order
+        assert [rows for _, rows in acco["user_writes"]] == list(range(1, GAS * STEPS + 1))  # each at once
+        # the harness: written with a commit in flight (acco's COMMIT phases, dpu's after the first) and without
+        assert {flight for flight, _ in acco["user_writes"]} == {True, False}
