@@ -52,7 +52,13 @@ def on_commit(engine, fn: Callable[[int], None]) -> RemovableHandle:
     weights reads ``model.parameters()`` there and averages exactly the committed θ_1, θ_2, ...,
     as stock's averages its weights after each ``step()``. Costs no wait. Returns a handle whose
     ``remove()`` stops the calls. ``engine``: an ACCO engine or ``AccoFSDP``; a stock engine has no
-    estimate: update after its ``step()`` directly."""
+    estimate: update after its ``step()`` directly.
+
+    ``fn`` runs on each rank at that rank's own moment (an export on rank 0 only calls it there at
+    the export, the other ranks at their phase end): it must not run a collective, which would hang.
+    ``engine.save_checkpoint`` may call it (the commit in flight reaches the model there), and the
+    checkpoint records that, so a resume does not call it again: serialise the average after
+    ``save_checkpoint`` returns (docs/api.md)."""
     schedule = getattr(engine, "schedule", None) or getattr(getattr(engine, "optimizer", None), "schedule", None)
     if schedule is None:
         raise TypeError(f"ds_acco.on_commit: {type(engine).__name__} is not an ACCO engine (ds_acco.initialize "

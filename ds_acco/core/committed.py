@@ -5,20 +5,23 @@ that launches a commit round, the estimate θ̃ (mode acco) or the previous θ (
 arrives in B. Two ways to put θ into the live weights, both by exchanging live weights and B in
 place (no copy, nothing allocated on the lane):
 
-* ``committed_weights()``, a block that exchanges back on exit (evaluation, checkpoints);
+* ``committed_weights()``, a block (evaluation, checkpoints);
 * a *hold* (``hold_committed_weights``), for what happens outside a block -- an export's
   ``state_dict()``, ``model.eval()`` under ``ds_acco.install()``: θ stays until the compute lane's
   next micro-batch (the adapters' forward hook, ``before_backward``, the phase-end decision, the
-  phase end) exchanges back, bit for bit, so training goes on as without it; once closed, for good.
+  phase end) puts the model back onto the weights it runs on, bit for bit, so training goes on as
+  without it; once closed, θ stays for good.
 
-An export's tensors alias the live weights, as stock's alias its parameters, and must stay θ until
-the next optimizer step, as stock's do. Where the adapter can re-point its parameters
-(:attr:`.buffers.BufferGroup.lends_live`, DeepSpeed's flat groups), the way back after a hold or a
-block is not an exchange: the model's parameters are *lent* B's gathered parameters (the weights the
-compute lane runs on), and the live weights keep θ. B is idle until the phase end that collects the
-round, where θ is exactly what would be unpacked into the live weights: the parameters point back
-and nothing is copied. So an export keeps θ until the next optimizer step's phase end, and the
-way back costs no copy at all.
+The way back depends on the adapter. Where it cannot re-point its parameters (FSDP2), it is the
+same exchange again. Where it can (:attr:`.buffers.BufferGroup.lends_live`, DeepSpeed's flat
+groups), it is no exchange: the model's parameters are *lent* B's gathered parameters (the weights
+the compute lane runs on) and the live weights keep θ, because an export's tensors alias the live
+weights, as stock's alias its parameters, and must stay θ until the next optimizer step, as stock's
+do. B is idle until the phase end that collects the round, where θ is exactly what would be
+unpacked into the live weights: the parameters point back and nothing is copied. A load settles
+first (``release(settle=True)``): the parameters view the live weights again, which then hold what
+the compute lane runs on. ``on_commit``'s observers are called once per commit, when its θ first
+reaches the model (:meth:`CommittedWeights.announce`; a checkpoint records it).
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ class ScheduleState:
             "delay": None if s.context.delay is None else s.context.delay.state(),  # D (delay compensation)
             "inflight": None if inflight is None else {
                 "kind": inflight.kind.value, "step": inflight.step, "committed": inflight.committed,
+                "announced": inflight.announced,  # on_commit called for it: not again after a resume
                 "result": inflight.result.to_dict()},
         }
 
@@ -105,7 +106,8 @@ class ScheduleState:
             future: Future = Future()
             future.set_result(result)
             s.restore_inflight(InFlight(RoundHandle(f"{info['kind']} {info['step']} (restored)", future),
-                                        RoundKind(info["kind"]), info["step"], result, info["committed"]))
+                                        RoundKind(info["kind"]), info["step"], result, info["committed"],
+                                        announced=bool(info.get("announced", False))))  # absent: saved before it was
 
     def reset(self, committed_steps: int) -> None:
         """Forget everything in flight and start a bootstrap phase at the current weights, as after

@@ -214,6 +214,9 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                         checkpoint_folder=None, load_serial=None, param_shapes=None):
+        # DeepSpeed's restore reads and writes the flat live weights: the parameters must view them
+        # (after an export they may view B's gathered parameters: see core/committed.py).
+        self.schedule.release_committed_weights(settle=True)
         self.driver.drain_for_load()  # an LR scheduler step still owed is taken after the load
         super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
                                 load_from_fp32_weights=load_from_fp32_weights, checkpoint_folder=checkpoint_folder,
