@@ -118,7 +118,7 @@ def test_a_step_that_ignores_the_rounds_groups_is_refused_not_run_at_the_wrong_r
     shard = ShardOptimizer(opt, [p])
     out = [torch.empty(3)]
     shard.estimate_into([torch.ones(3)], out)  # lr × 1, the groups' own: nothing to refuse
-    with pytest.raises(ValueError, match="did not read the learning rate.*fix:"):
+    with pytest.raises(ValueError, match="does not read the learning rate.*fix:"):
         shard.estimate_into([torch.ones(3)], out, lr_scale=2.0)
     assert torch.equal(p.detach(), torch.zeros(3)) and opt.param_groups[0]["lr"] == 0.1
 
