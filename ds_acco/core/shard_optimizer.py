@@ -22,7 +22,8 @@ settings. A real step reads the param groups, so it runs on a view of the optimi
 are the round's own copies (:class:`RoundView`): the groups the compute thread sees are never
 written on the lane, and a tensor learning rate is scaled out of place. A step that does not read
 its learning rate there (a wrapper stepping an inner optimizer), or an instance's own ``step``
-override, cannot take a rate other than the live one: refused when the round needs one.
+override, cannot take the round's settings: refused at the first round, before any kept step (an
+optimizer not known to read them is probed once on a discarded, snapshot-and-restored step).
 """
 from __future__ import annotations
 
