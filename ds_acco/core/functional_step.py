@@ -91,6 +91,17 @@ def _is_float(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def scalable_lr(lr) -> bool:
+    """Whether a round's step can take ``lr`` × a factor: a number or a floating-point tensor (the
+    one test of the lane's :func:`step_groups` and of the refusal at initialize)."""
+    return _is_float(lr) or (torch.is_tensor(lr) and lr.is_floating_point())
+
+
+def registered(optimizer) -> bool:
+    """Whether an adapter registered ``optimizer``'s class (:func:`register_estimate`)."""
+    return type(optimizer) in _EXTERNAL
+
+
 def plain_tensors(optimizer, dtypes=None, device_type=None) -> bool:
     """Every parameter is a dense real floating tensor (of ``dtypes``, on ``device_type`` if given)."""
     for g in optimizer.param_groups:
@@ -190,7 +201,7 @@ def step_groups(optimizer, settings: Optional[Sequence[dict]] = None, lr_scale: 
         view = {**g, **(settings[i] if settings is not None else {})}
         if lr_scale != 1.0:
             lr = view.get("lr")
-            if not (_is_float(lr) or (torch.is_tensor(lr) and lr.is_floating_point())):
+            if not scalable_lr(lr):
                 raise ValueError(f"{type(optimizer).__name__}'s param group {i} has lr = {lr!r}, which a round's step "
                                  f"cannot take × {lr_scale} (acco.estimate.lr_scale in the estimate, "
                                  "acco.dynamic.lr_scaling); fix: give the group a learning rate, or set that key to 1 "

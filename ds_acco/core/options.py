@@ -8,6 +8,7 @@ from . import chunking
 from .buffers import BufferGroup
 from .delay_compensation import DelayCompensation
 from .phases import FixedPhases
+from .refusals import check_lr_scaled
 from .rounds import RoundContext
 
 
@@ -24,6 +25,7 @@ class ScheduleOptions:
     chunk_elems: Optional[int] = None  # a round's window (elements); None: per device (chunking.py)
     history: int = 4096  # phases kept for metrics
     lr_power: float = 0.0  # a round's LR × (its global micro-batches / the fixed-mode count) ** lr_power
+    lr_scaling: str = "none"  # the key lr_power comes from (acco.dynamic.lr_scaling)
     nominal_phase: int = 0  # micro-batches per rank of a fixed-mode phase (the count lr_power compares to)
     estimate_lr_scale: float = 1.0  # the estimate's LR × this (acco.estimate.lr_scale; 1: the paper's)
     committed_second_moment: bool = False  # the estimate reuses Adam's committed v (acco.estimate.second_moment)
@@ -54,6 +56,8 @@ class ScheduleOptions:
                    chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
                    lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
                              if acco.accumulation == "dynamic" else 0.0),
+                   lr_scaling=(acco.dynamic_bounds(gradient_accumulation_steps).lr_scaling
+                               if acco.accumulation == "dynamic" else "none"),
                    nominal_phase=acco.phase_length(gradient_accumulation_steps),
                    estimate_lr_scale=acco.estimate.lr_scale,
                    committed_second_moment=acco.estimate.second_moment == "committed",
@@ -63,7 +67,10 @@ class ScheduleOptions:
     def round_context(self, groups: Sequence[BufferGroup], shard_optimizer, *, process_group, norm_group, rank: int,
                       world: int, reduce_scatter: bool, read_counts_first: bool) -> RoundContext:
         """What these options make of every round of one schedule (see :class:`.schedule.AccoSchedule`'s
-        arguments); the rounds' window is the user's, or chosen for the device and the shard (chunking.py)."""
+        arguments); the rounds' window is the user's, or chosen for the device and the shard (chunking.py).
+        A scaled rate needs a rate in every param group: refused here, at initialize, as the lane would."""
+        if self.lr_power:
+            check_lr_scaled(f"acco.dynamic.lr_scaling = {self.lr_scaling!r}", '"lr_scaling": "none"', shard_optimizer)
         delay = DelayCompensation(groups, self.delay_compensation) if self.delay_compensation else None
         device = groups[0].comm.device
         chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems)

@@ -6,7 +6,7 @@ the adapter found it, with its value -- then the row's reason and fix. A plain `
 callers and tracebacks see what they always saw. The DeepSpeed engine calls
 ``ds_acco.config_keys.check_deepspeed_compat`` with DeepSpeed's parsed config (every key classified
 there), :func:`check_layout` with the groups it built; ``AccoFSDP`` calls :func:`check_fsdp_model` with the FSDP parameters it took over; the driver
-calls :func:`check_estimate_variant` with its shard optimizer. Nothing here imports a framework: the
+calls :func:`check_estimate_variant` with its shard optimizer, the schedule :func:`check_lr_scaled`. Nothing here imports a framework: the
 adapters hand over plain values (sizes, dtypes, names).
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional
 
 import torch
+
+from .functional_step import scalable_lr
 
 SEE_FOUND = "{found}: {why}; fix: {fix}"
 
@@ -114,10 +116,10 @@ _ROWS = (
             "does not give",
             "use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true, no capturable or differentiable) or "
             "remove the key", form="{found} {why}; fix: {fix}"),
-    Refusal("estimate_lr_scale_without_lr", "an estimate learning-rate factor with a param group that has no rate",
-            "scales the learning rate of the estimate's step, and {optimizer}'s param group {group} has lr = {lr} (it "
-            "computes its own, e.g. Adafactor with relative_step=True)", "set \"estimate\": \"paper\" (or "
-            "\"lr_scale\": 1.0), or give the optimizer a learning rate", form="{found} {why}; fix: {fix}"),
+    Refusal("estimate_lr_scale_without_lr", "a learning-rate factor with a param group whose rate cannot be scaled",
+            "scales a round's learning rate, and {optimizer}'s param group {group} has lr = {lr}, which cannot be "
+            "scaled (it computes its own rate, e.g. Adafactor with relative_step=True, or an integer tensor)",
+            "set {unscaled}, or give the optimizer a floating-point learning rate", form="{found} {why}; fix: {fix}"),
     Refusal("ranks_differ", "settings that differ between ranks (e.g. ACCO enabled on one rank only): they would "
             "issue different collectives and hang", "differs between ranks: {lines}", "give every rank the same config",
             form="{found} {why}; fix: {fix}"),
@@ -324,20 +326,25 @@ def under_accelerate(accumulation: str) -> ValueError:
 
 
 def check_estimate_variant(estimate, shard_optimizer, rounds: bool = True) -> None:
-    """The estimate variants that read Adam's second moment need an optimizer that has one and a
-    functional step (torch Adam / AdamW), and a scaled estimate a learning rate in every param group:
-    refuse any other, naming the key and the fix (``rounds``: the mode has estimate rounds)."""
+    """Adam's second moment read by an estimate variant needs torch Adam / AdamW (functional), a scaled
+    estimate a rate in every group (:func:`check_lr_scaled`); ``rounds``: the mode has estimate rounds."""
     needs = [f"second_moment = {estimate.second_moment!r}"] if estimate.second_moment == "committed" else []
     if estimate.delay_compensation:
         needs.append(f"delay_compensation = {estimate.delay_compensation!r}")
     if needs and not shard_optimizer.committed_second_moment:
         raise refuse("estimate_variant_optimizer", f"acco.estimate.{' and '.join(needs)}",
                      optimizer=type(shard_optimizer.optimizer).__name__)
-    for i, group in enumerate(shard_optimizer.optimizer.param_groups if rounds and estimate.lr_scale != 1.0 else ()):
-        lr = group.get("lr")
-        if not (torch.is_tensor(lr) or (isinstance(lr, (int, float)) and not isinstance(lr, bool))):
-            raise refuse("estimate_lr_scale_without_lr", f"acco.estimate.lr_scale = {estimate.lr_scale!r}",
-                         optimizer=type(shard_optimizer.optimizer).__name__, group=i, lr=repr(lr))
+    if rounds and estimate.lr_scale != 1.0:
+        check_lr_scaled(f"acco.estimate.lr_scale = {estimate.lr_scale!r}", '"estimate": "paper"', shard_optimizer)
+
+
+def check_lr_scaled(found: str, unscaled: str, shard_optimizer) -> None:
+    """``found`` scales a round's learning rate (``unscaled``: the setting that does not): every group
+    needs a rate the round's step can scale (the lane's own test, ``scalable_lr``)."""
+    for i, group in enumerate(shard_optimizer.optimizer.param_groups):
+        if not scalable_lr(group.get("lr")):
+            raise refuse("estimate_lr_scale_without_lr", found, optimizer=type(shard_optimizer.optimizer).__name__,
+                         group=i, lr=repr(group.get("lr")), unscaled=unscaled)
 
 
 def check_estimate_dtype(key: str, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],

@@ -22,7 +22,8 @@ settings. A real step reads the param groups, so it runs on a view of the optimi
 are the round's own copies (:class:`RoundView`): the groups the compute thread sees are never
 written on the lane, and a tensor learning rate is scaled out of place. A step that does not read
 its learning rate there (a wrapper stepping an inner optimizer), or an instance's own ``step``
-override, cannot take a rate other than the live one: refused when the round needs one.
+override, cannot take the round's settings: refused at the first round, before any kept step (an
+optimizer not known to read them is probed once on a discarded, snapshot-and-restored step).
 """
 from __future__ import annotations
 
@@ -42,9 +43,17 @@ T = TypeVar("T")
 
 
 class RoundGroup(dict):
-    """A round's copy of a param group; notes whether the step read its learning rate."""
+    """A round's copy of a param group; notes whether the step may have read its learning rate: by
+    key (``group["lr"]``, ``get``, ``pop``, ``setdefault``) or through the whole group (iteration,
+    ``keys``, ``items``, ``values``, ``copy``, ``copy.copy``). ``__iter__`` being overridden sends
+    CPython's dict merges (``dict(group)``, ``{**group}``, ``f(**group)``, ``update``) through
+    ``keys()`` and ``__getitem__`` rather than its fast path (checked in tests/core/test_lr_rule.py)."""
 
     lr_read = False
+
+    def _whole(self):
+        self.lr_read = True
+        return self
 
     def __getitem__(self, key):
         if key == "lr":
@@ -52,9 +61,30 @@ class RoundGroup(dict):
         return dict.__getitem__(self, key)
 
     def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def pop(self, key, *default):
         if key == "lr":
             self.lr_read = True
-        return dict.get(self, key, default)
+        return dict.pop(self, key, *default)
+
+    def setdefault(self, key, default=None):
+        return self[key] if key in self else dict.setdefault(self, key, default)
+
+    def __iter__(self):
+        return dict.__iter__(self._whole())
+
+    def keys(self):
+        return dict.keys(self._whole())
+
+    def items(self):
+        return dict.items(self._whole())
+
+    def values(self):
+        return dict.values(self._whole())
+
+    def copy(self):
+        return dict(dict.items(self._whole()))
 
 
 class RoundView:
@@ -62,18 +92,24 @@ class RoundView:
     (its captured settings, :func:`.functional_step.step_groups`); its class's methods and properties
     are bound to the view (a helper method reading ``self.param_groups`` reads the round's); every
     other attribute is the optimizer's own (its state, a C++ optimizer's handle). The step then
-    never reads or writes the groups that the compute thread reads and writes meanwhile."""
+    never reads or writes the groups that the compute thread reads and writes meanwhile. How each
+    name resolves is looked up once per view (a step reads ``self.state`` once per parameter)."""
 
-    __slots__ = ("_optimizer", "param_groups")
+    __slots__ = ("_optimizer", "param_groups", "_found")
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: List[dict]):
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "param_groups", groups)
+        object.__setattr__(self, "_found", {})
 
     def __getattr__(self, name):
         optimizer = object.__getattribute__(self, "_optimizer")
-        found = inspect.getattr_static(type(optimizer), name, None)
-        if isinstance(found, property) or (isinstance(found, types.FunctionType) and name not in vars(optimizer)):
+        cache = object.__getattribute__(self, "_found")
+        found = cache.get(name, _MISSING)
+        if found is _MISSING:
+            found = inspect.getattr_static(type(optimizer), name, None)
+            found = cache[name] = found if isinstance(found, (property, types.FunctionType)) else None
+        if found is not None and (isinstance(found, property) or name not in vars(optimizer)):
             return found.__get__(self, type(optimizer))  # as Python binds it: an instance attribute wins
         return getattr(optimizer, name)
 
@@ -100,6 +136,10 @@ class ShardOptimizer:
         if chunk_elems is not None and chunk_elems < 1:
             raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
         self.chunk_elems = chunk_elems
+        # Whether a real step reads its learning rate from ``self.param_groups`` (the round's own, on a
+        # RoundView): torch's and registered optimizers do; any other is found out by its first real step
+        # on a round's own settings, one whose result is discarded (_reads_round_groups).
+        self._reads_groups: Optional[bool] = None
 
     @property
     def functional(self) -> bool:
@@ -142,11 +182,13 @@ class ShardOptimizer:
         if self.functional_commit:
             functional_commit.commit_in_place(self.optimizer, self.masters, grads, self.chunk_elems, lr_scale, settings)
         else:
-            written = self._step(grads, functional_step.step_groups(self.optimizer, settings, lr_scale))
-            for group, keys in zip(self.optimizer.param_groups, written):
-                group.update(keys)
-            if getattr(self.optimizer.step, "_wrapped_by_lr_sched", False):
-                self.optimizer._opt_called = True  # what the scheduler's wrapper of step() sets
+            groups = functional_step.step_groups(self.optimizer, settings, lr_scale)
+            own = _own_settings(groups, settings, lr_scale)
+            if own and self._reads_groups is None and not self._known_reader():
+                # decided on a discarded step (its shards, state and gradients restored), never on a kept one
+                self.estimate([g.clone() for g in grads], lambda: None, _cloned(groups), own=True)
+            for group, written in zip(self.optimizer.param_groups, self._step(grads, groups, own)):
+                _write_back(group, written)
         return None if read is None else read()
 
     def estimate_into(self, grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
@@ -178,47 +220,66 @@ class ShardOptimizer:
                         raise ValueError(f"output has {dst.numel()} elements, shard {src.numel()}")
                     dst.view(-1).copy_(src.reshape(-1))
 
-        self.estimate(grads, copy_out, functional_step.step_groups(self.optimizer, settings, lr_scale))
+        groups = functional_step.step_groups(self.optimizer, settings, lr_scale)
+        self.estimate(grads, copy_out, groups, own=_own_settings(groups, settings, lr_scale))
 
     def estimate(self, grads: Sequence[torch.Tensor], read: Callable[[], T],
-                 groups: Optional[List[dict]] = None) -> T:
+                 groups: Optional[List[dict]] = None, own: bool = False) -> T:
         """Returns ``read()`` called right after Opt(θ, S, g); θ and S are then restored exactly.
 
         The snapshot path, for any optimizer: while it runs, a clone of every master shard and
         of every optimizer-state tensor is held (see the module docstring). The step runs on a
         :class:`RoundView` of ``groups`` (default: copies of the current param groups, see
-        :func:`.functional_step.step_groups`); what it writes there is dropped."""
+        :func:`.functional_step.step_groups`); what it writes there is dropped. ``own``: the
+        groups hold the round's own settings (see :meth:`_step`)."""
         saved = self._snapshot()
         try:
-            self._step(grads, functional_step.step_groups(self.optimizer) if groups is None else groups)
+            self._step(grads, functional_step.step_groups(self.optimizer) if groups is None else groups, own,
+                       discarded=True)
             return read()
         finally:
             self._restore(saved)
 
-    def _step(self, grads: Sequence[torch.Tensor], groups: List[dict]) -> List[dict]:
+    def _known_reader(self) -> bool:
+        if self._reads_groups is None and _reads_own_groups(self.optimizer):
+            self._reads_groups = True
+        return bool(self._reads_groups)
+
+    def _step(self, grads: Sequence[torch.Tensor], groups: List[dict], own: bool = False,
+              discarded: bool = False) -> List[dict]:
         """One real step with ``grads`` on a :class:`RoundView` of ``groups`` (one copy per param
-        group): returns, per group, the keys the step wrote into its copy. An instance's own
-        ``step`` override runs on the optimizer itself: only while ``groups`` hold its settings."""
-        live = self.optimizer.param_groups
+        group): returns, per group, what the step wrote into its copy (key -> (value, written in
+        place)). ``own``: the groups hold the round's own settings (captured at its launch, or a
+        scaled rate), which can differ from the live ones: refused, before any step, for an
+        instance's own ``step`` override (it runs on the optimizer's own groups) and for a step found
+        not to read its learning rate there; found out on a ``discarded`` step only."""
+        if own and step_overridden(self.optimizer):
+            raise ValueError(_refused(self.optimizer, "its step() is overridden on the instance (it runs on the "
+                                      "optimizer's own param groups)"))
+        if own and self._reads_groups is False:
+            raise ValueError(_refused(self.optimizer, _NOT_READ))
+        if own and not self._known_reader() and not discarded:
+            raise RuntimeError("a kept step on a round's own settings before its optimizer was probed")
         rounds = [RoundGroup(g) for g in groups]
+        before = [dict(g) for g in groups]
+        values = [{k: v.clone() for k, v in g.items() if torch.is_tensor(v)} for g in before]
         for m, g in zip(self.masters, grads):
             m.grad = g
         try:
-            if step_overridden(self.optimizer):
-                if not all(_same(r, g) for r, g in zip(rounds, live)):
-                    raise ValueError(_refused(self.optimizer, "its step() is overridden on the instance (it runs on "
-                                              "the optimizer's own param groups)"))
-                self.optimizer.step()
+            if not own and step_overridden(self.optimizer):
+                self.optimizer.step()  # the groups are the optimizer's own settings
                 return [{} for _ in rounds]
-            before = [dict(r) for r in rounds]
             type(self.optimizer).step(RoundView(self.optimizer, rounds))
-            if not any(r.lr_read for r in rounds) and not all(_same(b, g, ("lr",)) for b, g in zip(before, live)):
-                raise ValueError(_refused(self.optimizer, "its step() did not read the learning rate from "
-                                          "self.param_groups (e.g. a wrapper stepping an inner optimizer)"))
-            return [{k: v for k, v in r.items() if b.get(k, _MISSING) is not v} for r, b in zip(rounds, before)]
         finally:
             for m in self.masters:
                 m.grad = None
+        if own and self._reads_groups is None:
+            self._reads_groups = any(r.lr_read for r in rounds)
+            if not self._reads_groups:
+                raise ValueError(_refused(self.optimizer, _NOT_READ))
+        return [{k: (v, b.get(k, _MISSING) is v) for k, v in dict.items(r)
+                 if b.get(k, _MISSING) is not v or (k in was and not torch.equal(v, was[k]))}
+                for r, b, was in zip(rounds, before, values)]
 
     # -- snapshot / restore of everything a step may change ------------------------------
     def _snapshot(self):
@@ -254,28 +315,45 @@ class ShardOptimizer:
             self.optimizer.state[m] = restored
 
 
-def _same(ours: dict, group: dict, keys: Optional[Sequence[str]] = None) -> bool:
-    """Whether a round's copy holds the group's own settings (``keys``: these only): the same objects,
-    equal plain values, or tensors equal in value (read on the communication thread)."""
-    for k in keys if keys is not None else [k for k in ours if k != _GROUP_PARAMS]:
-        a, b = ours.get(k, _MISSING), group.get(k, _MISSING)
-        if a is b:
-            continue
-        if torch.is_tensor(a) and torch.is_tensor(b):
-            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.to(a.device)):
-                return False
-        elif torch.is_tensor(a) or torch.is_tensor(b) or type(a) is not type(b) or a != b:
-            return False
-    return True
+_NOT_READ = "its step() does not read the learning rate from self.param_groups (e.g. a wrapper stepping an inner optimizer)"
+
+
+def _own_settings(groups: Sequence[dict], settings, lr_scale: float) -> bool:
+    """Whether a round's groups can hold settings other than the live groups' (captured at its launch,
+    or a scaled rate) that a step must take: whenever a group has a learning rate to take."""
+    return (settings is not None or lr_scale != 1.0) and any(g.get("lr") is not None for g in groups)
+
+
+def _reads_own_groups(optimizer) -> bool:
+    """torch's optimizers and the classes an adapter registered (:func:`.functional_step.register_estimate`)
+    read their settings from ``self.param_groups``."""
+    step = inspect.unwrap(type(optimizer).step)  # (torch's profiler wrapper of the class's step)
+    return getattr(step, "__module__", "").startswith("torch.optim.") or functional_step.registered(optimizer)
+
+
+def _cloned(groups: Sequence[dict]) -> List[dict]:
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items()} for g in groups]
+
+
+def _write_back(group: dict, written: dict) -> None:
+    """Copy what a kept step wrote into a round's group into the live ``group``: a new object as is, a
+    tensor the step updated in place into the live tensor (as the step would have: same object)."""
+    for k, (value, in_place) in written.items():
+        live = group.get(k)
+        if in_place and torch.is_tensor(live) and live is not value and live.shape == value.shape:
+            with torch.no_grad():
+                live.copy_(value)
+        elif not (in_place and live is value):
+            group[k] = value
 
 
 def _refused(optimizer, why: str) -> str:
     return (f"{type(optimizer).__name__}: a round's step must take the round's own settings (the estimate's learning "
             "rate × acco.estimate.lr_scale, acco.dynamic.lr_scaling's rate, the settings captured at the round's "
-            f"launch), which differ from its param groups' now, and {why}; ACCO never writes them into the param "
-            "groups the compute thread reads; fix: use an optimizer whose step() reads its settings from "
-            "self.param_groups (move an instance's step override into a step hook: register_step_pre_hook), or "
-            "\"estimate\": \"paper\" with no LR scheduler stepped between rounds")
+            f"launch), which can differ from its param groups' (an LR scheduler steps them meanwhile), and {why}; "
+            "ACCO never writes them into the param groups the compute thread reads; fix: use an optimizer whose "
+            "step() reads its settings from self.param_groups (move an instance's step override into a step hook: "
+            "register_step_pre_hook)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def test_a_step_that_ignores_the_rounds_groups_is_refused_not_run_at_the_wrong_r
     shard = ShardOptimizer(opt, [p])
     out = [torch.empty(3)]
     shard.estimate_into([torch.ones(3)], out)  # lr × 1, the groups' own: nothing to refuse
-    with pytest.raises(ValueError, match="did not read the learning rate.*fix:"):
+    with pytest.raises(ValueError, match="does not read the learning rate.*fix:"):
         shard.estimate_into([torch.ones(3)], out, lr_scale=2.0)
     assert torch.equal(p.detach(), torch.zeros(3)) and opt.param_groups[0]["lr"] == 0.1
 
@@ -134,3 +134,117 @@ def test_an_instance_step_override_runs_only_with_the_groups_own_settings():
     with pytest.raises(ValueError, match="overridden on the instance.*fix:"):
         shard.estimate_into([torch.ones(3)], [torch.empty(3)], lr_scale=2.0)
     assert calls == [0.1] and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_a_wrapper_is_refused_before_its_first_commit_changes_anything():
+    """An optimizer not known to read its groups is probed on a discarded step before the first commit that
+    takes a round's own settings: refused with θ, the state and the live rate as they were."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = _Wrapper(torch.optim.RMSprop([p], lr=0.1))
+    shard = ShardOptimizer(opt, [p])
+    for lr_scale in (2.0, 1.0):  # a scaled rate, or only the settings captured at launch (a scheduler may step)
+        with pytest.raises(ValueError, match="does not read the learning rate.*fix:"):
+            shard.commit([torch.ones(3)], lr_scale=lr_scale, settings=shard.settings())
+        assert torch.equal(p.detach(), torch.zeros(3)) and not opt.state and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_an_instance_override_is_refused_at_the_first_round_whatever_the_rates():
+    """Refused because the round's settings can differ from the live ones, not when they happen to."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.RMSprop([p], lr=0.1)
+    real = opt.step
+    opt.step = lambda *a, **k: real(*a, **k)
+    shard = ShardOptimizer(opt, [p])
+    with pytest.raises(ValueError, match="overridden on the instance.*fix:"):
+        shard.commit([torch.ones(3)], settings=shard.settings())
+    assert torch.equal(p.detach(), torch.zeros(3)) and not opt.state
+
+
+class _HeavyBall(torch.optim.Optimizer):
+    """A user-defined optimizer (not torch's: probed) reading its group as a whole, one way per ``how``."""
+
+    def __init__(self, params, lr, how):
+        super().__init__(params, {"lr": lr, "momentum": 0.5})
+        self.how = how
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            h = {"dict": lambda: dict(group), "splat": lambda: {**group}, "kwargs": lambda: (lambda **k: k)(**group),
+                 "items": lambda: {k: v for k, v in group.items()}, "copy": lambda: group.copy()}[self.how]()
+            for p in h["params"]:
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(h["momentum"]).add_(p.grad)
+                p.data.add_(buf, alpha=-h["lr"])
+
+
+@pytest.mark.parametrize("how", ["dict", "splat", "kwargs", "items", "copy"])
+def test_a_step_reading_its_group_whole_takes_the_rounds_rate_and_is_not_refused(how):
+    p, ref_p = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    opt, ref = _HeavyBall([p], 0.1, how), _HeavyBall([ref_p], 0.2, how)
+    shard, ref_shard = ShardOptimizer(opt, [p]), ShardOptimizer(ref, [ref_p])
+    for _ in range(2):
+        shard.commit([torch.ones(3)], lr_scale=2.0, settings=shard.settings())
+        ref_shard.commit([torch.ones(3)])
+        assert torch.equal(p, ref_p) and opt.param_groups[0]["lr"] == 0.1
+
+
+class _Counts(torch.optim.RMSprop):
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"].add_(1)  # in place, as a step may update a tensor setting
+        return super().step(closure)
+
+
+def test_a_tensor_setting_a_kept_step_updates_in_place_is_kept():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = _Counts([p], lr=0.1)
+    count = opt.param_groups[0]["count"] = torch.tensor(0)
+    shard = ShardOptimizer(opt, [p])
+    for _ in range(3):
+        shard.estimate_into([torch.ones(3)], [torch.empty(3)], lr_scale=2.0, settings=shard.settings())
+        shard.commit([torch.ones(3)], settings=shard.settings())
+    assert opt.param_groups[0]["count"] is count and count.item() == 3  # the estimates' are dropped
+
+
+def test_a_round_view_resolves_each_attribute_once(monkeypatch):
+    """A step reads ``self.state`` once per parameter: the view's lookup must not grow with them."""
+    import inspect
+    from ds_acco.core import shard_optimizer
+    calls = []
+    real = inspect.getattr_static
+    monkeypatch.setattr(shard_optimizer.inspect, "getattr_static", lambda *a: (calls.append(a[1]), real(*a))[1])
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(200)]
+    shard = ShardOptimizer(torch.optim.Adagrad(params, lr=0.1, foreach=False), params)
+    shard.commit([torch.ones(2) for _ in params], lr_scale=2.0)
+    assert calls and len(calls) == len(set(calls)) < 50, len(calls)
+
+
+@pytest.mark.parametrize("kind", ["torch", "transformers"])
+def test_an_adafactor_estimate_is_adafactors_step_at_the_scaled_rate_on_the_same_shard(kind):
+    """Adafactor (no functional step; its update depends on the shard's shape and norm) on one flat shard:
+    an estimate round at lr × 2 gives what a copy of the optimizer stepped at lr × 2 gives, bit for bit,
+    after commits at lr (with state), and the live groups keep lr."""
+    import copy
+    if kind == "torch":
+        make = lambda ps: torch.optim.Adafactor(ps, lr=0.01)  # noqa: E731
+    else:
+        from transformers.optimization import Adafactor
+        make = lambda ps: Adafactor(ps, lr=0.01, relative_step=False, scale_parameter=False,  # noqa: E731
+                                    warmup_init=False)
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(300))]
+    opt = make(params)
+    shard = ShardOptimizer(opt, params)
+    assert not shard.functional
+    for _ in range(3):
+        grads = [torch.randn(300)]
+        ref = copy.deepcopy(opt)
+        ref.param_groups[0]["lr"] = 0.02
+        ref_params = ref.param_groups[0]["params"]
+        ref_params[0].grad = grads[0].clone()
+        ref.step()
+        outs = [torch.empty(300)]
+        shard.estimate_into(grads, outs, lr_scale=2.0, settings=shard.settings())
+        assert torch.equal(outs[0], ref_params[0].detach()) and not torch.equal(outs[0], params[0].detach())
+        assert opt.param_groups[0]["lr"] == 0.01
+        shard.commit([torch.randn(300)], settings=shard.settings())
