@@ -19,4 +19,4 @@ python -m pip install -q -e '.[test,mpi]'
 wait "$prebuild"
 export ACCO_TEST_OPS_BUILT=1
 # Test time limits: ACCO_TEST_TIMEOUT_SCALE (tests/timeouts.py; default 3x an idle machine's budget).
-exec python -m pytest -q "$@"
+exec python -m pytest -q --durations=25 "$@"  # the slowest tests, in every CI log

@@ -289,7 +289,7 @@ def _slow_estimate(acco, seconds: float):
     so = acco.driver.shard_optimizer
     inner, inside, calls = so.estimate, [threading.Event() for _ in range(64)], itertools.count()
 
-    def estimate(grads, read, groups=None):
+    def estimate(grads, read, groups=None, **kw):
         entered = inside[next(calls)]
 
         def slow_read():
@@ -297,7 +297,7 @@ def _slow_estimate(acco, seconds: float):
             entered.set()
             time.sleep(seconds)
             return out
-        return inner(grads, slow_read, groups)
+        return inner(grads, slow_read, groups, **kw)
     so.estimate = estimate
     return inside
 
