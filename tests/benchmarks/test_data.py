@@ -10,6 +10,7 @@ from benchmarks import data
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 
 
+@pytest.mark.slow  # a fresh interpreter builds the corpus (~1.5 s)
 def test_embedded_corpus_is_deterministic_and_sizeable():
     """The same text in a fresh interpreter as in this one, where pytest has replaced stdlib hooks
     (threading.excepthook): before, the corpus -- so every benchmark's data -- depended on what the

@@ -59,6 +59,7 @@ def test_start_up_loads_only_the_hook(tmp_path, install):
     assert "Error processing" not in err
 
 
+@pytest.mark.slow  # fresh interpreters (~3 s)
 def test_probes_before_the_import_keep_the_hook(tmp_path):
     """transformers looks deepspeed up (find_spec, then its metadata) before importing it; none of
     that runs deepspeed, so the import that follows still installs ds_acco."""

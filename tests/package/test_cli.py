@@ -176,6 +176,7 @@ def test_check_with_hf_auto_values_skips_deepspeed_checks(tmp_path):
     assert rc == 0 and "auto" in err
 
 
+@pytest.mark.slow  # a fresh interpreter running python -m ds_acco (~2 s)
 def test_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ds_acco", "check", str(REPO / "ds_configs" / "acco.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=scaled(40))
