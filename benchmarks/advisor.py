@@ -101,7 +101,7 @@ class Probe:
         """Accumulation 'shared': one phase's compute, the slowest of every rank's share of the
         ranks' ``world · A/2`` micro-batches times its seconds per micro-batch (phases.py's rule,
         dead band included: at equal speeds it is fixed mode's ``A/2 · t``)."""
-        from ds_acco.core.phases import share_by_speed  # no torch: the rule itself, as training applies it
+        from ds_acco.core.schedule.phases import share_by_speed  # no torch: the rule itself, as training applies it
         ts = list(self.rank_micro_batch_s) if len(self.rank_micro_batch_s) == self.world else [self.micro_batch_s] * self.world
         equal = (gas // 2,) * self.world
         shares = share_by_speed(self.world * (gas // 2), ts, current=equal)

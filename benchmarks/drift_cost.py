@@ -3,7 +3,7 @@
 Times the commit round's step on a shard of ``--elements`` fp32 parameters with torch AdamW (ACCO's
 in-place functional commit, window by window), without and with the drift metric of a sampled
 commit: θ_t kept (the copy ``rounds._keep_shards_for_drift`` makes into B) and
-:func:`ds_acco.core.drift.drift_sums` after the step. The collectives are left out (a world-1 gloo
+:func:`ds_acco.core.round.drift.drift_sums` after the step. The collectives are left out (a world-1 gloo
 group sums the three scalars), so the difference is the metric's own compute and memory traffic::
 
     python -m benchmarks.drift_cost --elements 350000000 --repeats 3 --threads 1
@@ -24,9 +24,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_acco.core import chunking
-from ds_acco.core.drift import drift_sums
-from ds_acco.core.shard_optimizer import ShardOptimizer
+from ds_acco.core.step import chunking
+from ds_acco.core.round.drift import drift_sums
+from ds_acco.core.step.shard_optimizer import ShardOptimizer
 
 
 class _Shard:

@@ -16,7 +16,7 @@ from .config_deepspeed import (ACCO_KEY, BATCH_KEYS, data_parallel_size, deepspe
 from .config_routing import (OPT_OUT_ENV, RUN_THROUGH_DS_ACCO, note_opt_out, opted_out,  # noqa: F401
                              stock_engine_refusal)
 
-# What ACCO refuses lives in ds_acco.core.refusals (one table); these names kept their old import
+# What ACCO refuses lives in ds_acco.core.checks.refusals (one table); these names kept their old import
 # path. Resolved on first use: importing the config must not import the core.
 _IN_REFUSALS = ("LAYOUT_REFUSALS", "LOCKSTEP_FIX", "LOCKSTEP_WHY", "UNEVEN_STEPS", "ParallelLayout",
                 "caller_boundary_refusal", "check_layout", "check_lockstep",
@@ -28,7 +28,7 @@ def __getattr__(name: str):
         from .config_keys import check_deepspeed_compat
         return check_deepspeed_compat
     if name in _IN_REFUSALS:
-        from .core import refusals
+        from .core.checks import refusals
         return getattr(refusals, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -54,7 +54,7 @@ class DynamicConfig(BaseModel):
         return {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.lr_scaling]
 
 
-MAX_CHUNK_ELEMENTS = 1 << 26  # acco.chunk_elements' hard bound (ds_acco.core.chunking.MAX_CHUNK_ELEMS)
+MAX_CHUNK_ELEMENTS = 1 << 26  # acco.chunk_elements' hard bound (ds_acco.core.step.chunking.MAX_CHUNK_ELEMS)
 DRIFT_EVERY = 100  # the drift metric's default sampling: one commit in 100 pays its pass over the shard
 
 
@@ -245,7 +245,7 @@ class AccoConfig(BaseModel):
 
     def phase_policy(self, gradient_accumulation_steps: int):
         """The core's phase policy for this config (what ends a phase)."""
-        from .core.phases import DynamicPhases, FixedPhases, SharedPhases
+        from .core.schedule.phases import DynamicPhases, FixedPhases, SharedPhases
         if self.accumulation == "dynamic":
             d = self.dynamic_bounds(gradient_accumulation_steps)
             return DynamicPhases(d.min_micro_batches, d.max_micro_batches, d.check_every)

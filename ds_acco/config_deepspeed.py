@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 if TYPE_CHECKING:
-    from .core.refusals import ParallelLayout
+    from .core.checks.refusals import ParallelLayout
 
 ACCO_KEY = "acco"  # the block of a DeepSpeed config that ds_acco reads (DeepSpeed ignores it)
 
@@ -85,7 +85,7 @@ def requested_layout(raw: Optional[Mapping[str, Any]], mpu: Any = None, model: A
     """The layout a ``deepspeed.initialize`` call asks for, read before any engine or process group
     exists: its ``mpu``, the config's ``tensor_parallel.autotp_size`` / ``sequence_parallel_size``,
     ``mesh_param``, the model's marked parameters, a scheduler stepped with ``increment=``."""
-    from .core.refusals import ParallelLayout
+    from .core.checks.refusals import ParallelLayout
     raw = raw or {}
     tp, tp_from = _size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
     autotp = (raw.get("tensor_parallel") or {}).get("autotp_size") or 0

@@ -6,7 +6,7 @@ slip one through):
 
 - ``honoured``: ACCO behaves as stock ZeRO-1 does with it; the note names the test that shows it.
 - ``refused``: the values ACCO does not honour are refused (:func:`check_deepspeed_compat`, a row of
-  ``ds_acco.core.refusals.REFUSALS``: the note names it); the other values are honoured.
+  ``ds_acco.core.checks.refusals.REFUSALS``: the note names it); the other values are honoured.
 - ``replaced``: shapes stock's own gradient communication or overflow handling, which ACCO's rounds
   replace; the values ACCO steps with are the same (the engine warns when one is set).
 - ``inherited``: acts in DeepSpeed code that ``AccoEngine`` runs unchanged (the model's forward and
@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional
 
 import torch
 
-from .core.refusals import check_schedule_compat, refuse
+from .core.checks.refusals import check_schedule_compat, refuse
 
 KINDS = ("honoured", "refused", "replaced", "inherited", "irrelevant")
 

@@ -184,7 +184,7 @@ def _patch_frameworks() -> None:
 
 
 def _under_accelerate_refusal(accumulation: str) -> ValueError:
-    from .core.refusals import under_accelerate  # here: importing ds_acco must not import the core
+    from .core.checks.refusals import under_accelerate  # here: importing ds_acco must not import the core
     return under_accelerate(accumulation)
 
 

@@ -11,7 +11,7 @@ the time the estimate θ̃. Two ways to read the committed θ instead:
   micro-batch puts the live weights back, bit for bit. Between, a forward in eval mode without
   autograd (an evaluation) also runs on θ. The tensors it returns alias the model's weights, as
   stock's do, and keep θ until the next optimizer step, as stock's do (DeepSpeed: training goes on
-  in B meanwhile, see ds_acco/core/committed.py), so a background reader (torch DCP's
+  in B meanwhile, see ds_acco/core/schedule/committed.py), so a background reader (torch DCP's
   ``async_save``, an upload) that reads before then gets θ.
 
 And :func:`on_commit`, for what averages the weights once per optimizer step (an EMA, SWA): after
@@ -74,7 +74,7 @@ class ExportHooks:
     """Every ``state_dict()`` of ``module`` (or of any module inside it) reads the committed θ.
 
     A state-dict pre-hook on each module holds θ in the live weights (see
-    :meth:`~ds_acco.core.committed.CommittedWeights.hold`). While θ is held, a
+    :meth:`~ds_acco.core.schedule.committed.CommittedWeights.hold`). While θ is held, a
     global forward pre-hook waits for the next forward of one of the model's modules that may be
     training (training mode, or autograd recording) and puts the live weights back before it runs;
     the schedule itself does so at the next backward or ``step()``. So an export costs one in-place

@@ -1,18 +1,18 @@
-"""The ACCO / DPU schedule, free of DeepSpeed and FSDP.
+"""The ACCO / DPU schedule, free of DeepSpeed and FSDP, in rooms that import only downward:
 
-``phases`` (what ends a phase), ``buffers`` (G, B, live weights and shards of one parameter
-group), ``rounds`` (one round as plain functions), ``schedule`` (the state machine),
-``shard_optimizer`` (one step of any torch optimizer, kept or discarded), ``report`` (what each
-rank sends along with a round) and ``driver`` (the protocol every adapter speaks).
+``step`` (one optimizer step on a shard, kept or discarded) < ``checks`` (the refusal table) <
+``round`` (one round as plain functions over buffer groups) < ``schedule`` (the state machine and
+its parts) < ``lifecycle`` (LR bookkeeping, the host protocol, metrics, checkpoints, exit) <
+``driver`` (the protocol every adapter speaks). docs/design.md has the code map.
 """
-from .buffers import BufferGroup, FlatBuffers
 from .driver import AccoDriver
-from .options import ScheduleOptions
-from .phases import DynamicPhases, FixedPhases, PhaseKind, SharedPhases, share_by_speed
-from .report import RoundReport
-from .rounds import NonFiniteGradientError, RoundKind, RoundResult
-from .schedule import AccoSchedule
-from .shard_optimizer import ShardOptimizer
+from .round.buffers import BufferGroup, FlatBuffers
+from .round.report import RoundReport
+from .round.rounds import NonFiniteGradientError, RoundKind, RoundResult
+from .schedule.machine import AccoSchedule
+from .schedule.options import ScheduleOptions
+from .schedule.phases import DynamicPhases, FixedPhases, PhaseKind, SharedPhases, share_by_speed
+from .step.shard_optimizer import ShardOptimizer
 
 __all__ = ["AccoDriver", "AccoSchedule", "BufferGroup", "DynamicPhases", "FixedPhases", "FlatBuffers",
            "NonFiniteGradientError", "PhaseKind", "RoundKind", "RoundReport", "RoundResult", "ScheduleOptions",

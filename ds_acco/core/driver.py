@@ -35,17 +35,17 @@ from ..comm import collectives
 from ..comm.groups import new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
-from .at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, end_groups
-from .host import Host
-from .lr_bookkeeping import LRBookkeeping
-from .metrics import StepMetrics, format_line, scalar_items
-from .options import ScheduleOptions
-from .phases import FixedPhases, SharedPhases
-from .refusals import check_estimate_variant, one_queue_serialisation, refuse
-from .report import RoundReport
-from .rounds import RoundKind, RoundResult
-from .schedule import AccoSchedule
-from .shard_optimizer import ShardOptimizer
+from .checks.refusals import check_estimate_variant, one_queue_serialisation, refuse
+from .lifecycle.at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, end_groups
+from .lifecycle.host import Host
+from .lifecycle.lr_bookkeeping import LRBookkeeping
+from .lifecycle.metrics import StepMetrics, format_line, scalar_items
+from .round.report import RoundReport
+from .round.rounds import RoundKind, RoundResult
+from .schedule.machine import AccoSchedule
+from .schedule.options import ScheduleOptions
+from .schedule.phases import FixedPhases, SharedPhases
+from .step.shard_optimizer import ShardOptimizer
 
 logger = logging.getLogger("ds_acco")
 
@@ -84,7 +84,7 @@ class AccoDriver:
 
     Args:
         config: the validated ``"acco"`` block.
-        host: what the adapter built and its side of a commit (:class:`~ds_acco.core.host.Host`).
+        host: what the adapter built and its side of a commit (:class:`~ds_acco.core.lifecycle.host.Host`).
             Under tensor parallelism every rank of the world must build one.
     """
 

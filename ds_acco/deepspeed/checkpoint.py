@@ -7,14 +7,14 @@ import os
 from deepspeed import comm as ds_dist
 from deepspeed.utils import logger
 
-from ..core import publish
+from ..core.lifecycle import publish
 
 
 def save(engine, stock_save, save_dir, tag=None, client_state=None, save_latest=True,
          exclude_frozen_parameters=False) -> bool:
     """``engine.save_checkpoint``: DeepSpeed's save (``stock_save``), drained first, with the
     committed θ as the model weights and ACCO's in-flight state beside the optimizer state,
-    published atomically (see core/publish.py)."""
+    published atomically (see core/lifecycle/publish.py)."""
     driver = engine._acco_driver()
     driver.drain()  # may book a commit: the tag then names the step it contains
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")

@@ -19,15 +19,15 @@ from deepspeed.utils import logger
 
 from ..config import AccoConfig, acco_config_of
 from ..config_deepspeed import load_ds_config, requested_layout
-from ..config_routing import note_opt_out, opted_out
 from ..config_keys import check_deepspeed_compat, replaced_keys
-from ..core.refusals import check_layout, refuse, under_caller_boundary
-from ..core.phases import FixedPhases
+from ..config_routing import note_opt_out, opted_out
+from ..core.checks.refusals import check_layout, refuse, under_caller_boundary
+from ..core.schedule.phases import FixedPhases
 from ..weights import ExportHooks
 from . import checkpoint
-from .step_figures import stamped_monitor, unsynchronise_timers
 from .layout import built_layout, check_ranks_agree
 from .optimizer import AccoZeroOptimizer
+from .step_figures import stamped_monitor, unsynchronise_timers
 
 _PATCH_LOCK = threading.RLock()
 

@@ -1,8 +1,8 @@
-"""DeepSpeed's Adam optimizers as functional estimates (see :mod:`ds_acco.core.functional_step`):
+"""DeepSpeed's Adam optimizers as functional estimates (see :mod:`ds_acco.core.step.functional_step`):
 DeepSpeedCPUAdam's AVX kernel and FusedAdam's CUDA kernel, transcribed op for op so that θ̃ equals
 what their step would compute. Their real step (every commit, and an estimate the transcription
 does not cover) runs, as any optimizer's, on the round's own param groups
-(:class:`ds_acco.core.shard_optimizer.RoundView`): both read their settings from ``self.param_groups``
+(:class:`ds_acco.core.step.shard_optimizer.RoundView`): both read their settings from ``self.param_groups``
 only, so the settings captured at the round's launch are what the step uses, whatever a scheduler
 writes on the compute thread meanwhile.
 Registered with the core when this adapter is imported (the core knows no DeepSpeed class)."""
@@ -15,9 +15,9 @@ import torch
 from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
 from deepspeed.ops.adam.fused_adam import FusedAdam
 
-from ..core import functional_step
-from ..core.functional_kernels import _chunks, _state_flat, _target, _Workspace
-from ..core.functional_step import _GROUP_PARAMS, _is_float, plain_tensors
+from ..core.step import functional_step
+from ..core.step.functional_kernels import _chunks, _state_flat, _target, _Workspace
+from ..core.step.functional_step import _GROUP_PARAMS, _is_float, plain_tensors
 
 FUSED_ADAM_DEVICES = ("cuda",)  # FusedAdam's op is CUDA-only (a test runs its emulation on CPU)
 
@@ -92,7 +92,7 @@ _CPU_ADAM_MIRRORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _shared_steps(optimizer, kind: str, items, groups=None) -> List:
     """Per-item step data that depends on the other parameters of the call (``groups``: the param
-    groups as the step reads them, :func:`ds_acco.core.functional_step.step_groups`; default the optimizer's)."""
+    groups as the step reads them, :func:`ds_acco.core.step.functional_step.step_groups`; default the optimizer's)."""
     groups = optimizer.param_groups if groups is None else groups
     if kind == "cpu_adam":
         mirror = _CPU_ADAM_MIRRORS.get(optimizer)

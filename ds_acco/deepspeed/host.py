@@ -1,16 +1,16 @@
-"""The driver's host for DeepSpeed: what the engine and its ZeRO-1 optimizer give the core (core/host.py)."""
+"""The driver's host for DeepSpeed: what the engine and its ZeRO-1 optimizer give the core (core/lifecycle/host.py)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
 from deepspeed.utils import logger
 
-from ..core.buffers import BufferGroup
-from ..core.host import forwarded
+from ..core.lifecycle.host import forwarded
+from ..core.round.buffers import BufferGroup
 
 
 class DeepSpeedHost:
-    """:class:`~ds_acco.core.host.Host` over an :class:`~ds_acco.deepspeed.engine.AccoEngine` and the
+    """:class:`~ds_acco.core.lifecycle.host.Host` over an :class:`~ds_acco.deepspeed.engine.AccoEngine` and the
     :class:`~ds_acco.deepspeed.optimizer.AccoZeroOptimizer` it is building: the step counters are
     the engine's, the scheduler is the engine's (read when used: it is set after the optimizer),
     the loss scaler is the optimizer's (DeepSpeed's)."""

@@ -10,8 +10,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..config import AccoConfig
 from ..config_deepspeed import marked_params, steps_with_increment
+from ..core.checks.refusals import ParallelLayout
 from ..core.driver import check_same_on_all_ranks
-from ..core.refusals import ParallelLayout
 
 
 def check_ranks_agree(acco: AccoConfig, raw: Optional[dict], kwargs: dict) -> None:

@@ -2,7 +2,7 @@
 
 DeepSpeed builds the flat bit16 groups, the fp32 master partitions and the wrapped torch
 optimizer exactly as for stock ZeRO-1; this subclass then maps them onto the core's flat
-groups (:class:`~ds_acco.core.buffers.FlatBuffers`) and hands every phase boundary to the
+groups (:class:`~ds_acco.core.round.buffers.FlatBuffers`) and hands every phase boundary to the
 core's :class:`~ds_acco.core.driver.AccoDriver`.
 Stock reduction paths (buckets, gradient hooks) are switched off so their buffers are never
 allocated: the only extra full-size tensor is the core's communication buffer.
@@ -18,11 +18,11 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ..config import AccoConfig
-from ..core.buffers import FlatBuffers
+from ..core.checks.refusals import check_estimate_dtype
 from ..core.driver import AccoDriver
-from ..core.refusals import check_estimate_dtype
-from .host import DeepSpeedHost
+from ..core.round.buffers import FlatBuffers
 from . import functional  # noqa: F401 -- registers DeepSpeed's Adams' functional estimates with the core
+from .host import DeepSpeedHost
 
 ACCO_STATE_KEY = "acco_state"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -153,7 +153,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def _live_moved(self, group: int, flat: torch.Tensor) -> None:
         """The parameters of ``group`` view ``flat`` (the flat live weights, or B's gathered
-        parameters while an export keeps θ in the live weights: see core/committed.py)."""
+        parameters while an export keeps θ in the live weights: see core/schedule/committed.py)."""
         for k, offset in self._grad_entries[group]:
             p = self._grad_views[k][0]
             p.data = flat.narrow(0, offset, p.numel()).view_as(p)
@@ -215,7 +215,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                         checkpoint_folder=None, load_serial=None, param_shapes=None):
         # DeepSpeed's restore reads and writes the flat live weights: the parameters must view them
-        # (after an export they may view B's gathered parameters: see core/committed.py).
+        # (after an export they may view B's gathered parameters: see core/schedule/committed.py).
         self.schedule.release_committed_weights(settle=True)
         self.driver.drain_for_load()  # an LR scheduler step still owed is taken after the load
         super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,

@@ -13,7 +13,7 @@ from typing import Callable, List
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from ..core.refusals import refuse
+from ..core.checks.refusals import refuse
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def trainable_params(modules: List[FSDPModule]) -> List[FSDPParamView]:
 
 
 def check_supported(fp) -> None:
-    """Refuse FSDP settings the adapter does not map (:mod:`ds_acco.core.refusals`)."""
+    """Refuse FSDP settings the adapter does not map (:mod:`ds_acco.core.checks.refusals`)."""
     if fp.mesh_info.mesh.ndim != 1:
         raise refuse("fsdp_mesh")
     if fp.is_dtensor or fp.fsdp_placement.dim != 0:

@@ -2,7 +2,7 @@
 
 FSDP2 cannot carry a reduction past ``backward()`` (PLATFORM_NOTES.md): FSDP's own gradient sync is
 off, gradients accumulate unsharded into G, and the shared core
-(:class:`~ds_acco.core.schedule.AccoSchedule`, the comm lane, the shard optimizer) owns their
+(:class:`~ds_acco.core.schedule.machine.AccoSchedule`, the comm lane, the shard optimizer) owns their
 reduction. FSDP's sharded DTensor parameters are the shards the user's optimizer steps. Two layouts:
 
 - default (ZeRO-1-like): the unsharded parameters stay resident (no reshard after forward or
@@ -32,10 +32,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..config import acco_config_of
 from ..config_deepspeed import load_ds_config
+from ..core.checks.refusals import check_fsdp_model, check_lockstep, check_schedule_compat, refuse
 from ..core.driver import AccoDriver, check_same_on_all_ranks
-from ..core.refusals import check_fsdp_model, check_lockstep, check_schedule_compat, refuse
-from ..core.rounds import RoundResult
-from ..core.schedule import AccoSchedule
+from ..core.round.rounds import RoundResult
+from ..core.schedule.machine import AccoSchedule
 from ..weights import ExportHooks
 from . import _torch_internals as fsdp_internals
 from .buffers import FSDPBuffers, FSDPShardedBuffers

@@ -1,4 +1,4 @@
-"""FSDP2's parameters as one :class:`~ds_acco.core.buffers.BufferGroup` of the shared schedule.
+"""FSDP2's parameters as one :class:`~ds_acco.core.round.buffers.BufferGroup` of the shared schedule.
 
 The live weights are FSDP's resident unsharded parameters (one tensor per parameter,
 ``param_dtype``), the shard parameters are FSDP's sharded DTensor parameters (the ones the user's
@@ -18,8 +18,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..core.buffers import BufferGroup, swap_
-from ..core.phases import RoundKind
+from ..core.round.buffers import BufferGroup, swap_
+from ..core.round.kinds import RoundKind
 from . import _torch_internals as fsdp_internals
 from ._torch_internals import FSDPParamView
 

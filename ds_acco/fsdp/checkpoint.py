@@ -16,7 +16,7 @@ DCP's collectives, the barriers, and the publication. The mesh may span a subset
 'dp' dimension of a 2-D mesh, several independent jobs in one world), so another mesh's ranks are
 never waited for; each mesh saves to a path of its own. A save is written to ``<path>.acco-partial``
 and renamed into place by the mesh's rank 0 once every rank of the mesh has finished
-(:func:`ds_acco.core.publish.published`), so a reader sees the old checkpoint or the complete new one.
+(:func:`ds_acco.core.lifecycle.publish.published`), so a reader sees the old checkpoint or the complete new one.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..core import publish
+from ..core.lifecycle import publish
 
 _GROUP_PARAMS = "params"
 

@@ -1,16 +1,16 @@
-"""The driver's host for FSDP2: what ``AccoFSDP`` gives the core (core/host.py)."""
+"""The driver's host for FSDP2: what ``AccoFSDP`` gives the core (core/lifecycle/host.py)."""
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, Optional
 
-from ..core.host import forwarded
+from ..core.lifecycle.host import forwarded
 
 logger = logging.getLogger(__name__)
 
 
 class FSDPHost:
-    """:class:`~ds_acco.core.host.Host` over an :class:`~ds_acco.fsdp.adapter.AccoFSDP`: its buffers
+    """:class:`~ds_acco.core.lifecycle.host.Host` over an :class:`~ds_acco.fsdp.adapter.AccoFSDP`: its buffers
     (one group), the user's optimizer, the mesh's group, its step counters; DeepSpeed's loss scaler
     when the config has an ``"fp16"`` block. The LR scheduler given at construction is the one
     stepped (None: none is)."""

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from ds_acco.config import AccoConfig
-from ds_acco.core import chunking
-from ds_acco.core.buffers import FlatBuffers
-from ds_acco.core.phases import FixedPhases
-from ds_acco.core.schedule import AccoSchedule, ScheduleOptions
-from ds_acco.core.shard_optimizer import ShardOptimizer
+from ds_acco.core.step import chunking
+from ds_acco.core.round.buffers import FlatBuffers
+from ds_acco.core.schedule.phases import FixedPhases
+from ds_acco.core.schedule.machine import AccoSchedule, ScheduleOptions
+from ds_acco.core.step.shard_optimizer import ShardOptimizer
 
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 

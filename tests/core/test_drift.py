@@ -1,4 +1,4 @@
-"""The drift metric's fused pass (ds_acco/core/drift.py) gives the values of its definition: the three
+"""The drift metric's fused pass (ds_acco/core/round/drift.py) gives the values of its definition: the three
 squared distances ‖θ̃ − θ_{t+1}‖², ‖θ_{t+1} − θ_t‖², ‖θ̃ − θ_t‖² summed over the ranks, here computed
 in float64 from the whole tensors (what the fp64 passes it replaced computed), on 2 gloo ranks, with
 windows that split tensors, a bf16 estimate and θ_t kept in bf16; and which commits are sampled."""
@@ -14,8 +14,8 @@ def _sums(chunk, live_dtype, kept_dtype):
     import torch
     import torch.distributed as dist
 
-    from ds_acco.core.buffers import FlatBuffers
-    from ds_acco.core.drift import drift_sums
+    from ds_acco.core.round.buffers import FlatBuffers
+    from ds_acco.core.round.drift import drift_sums
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -49,7 +49,7 @@ def test_the_fused_pass_gives_the_definitions_values(chunk, live_dtype, kept_dty
 
 
 def test_sampled_commits():
-    from ds_acco.core.drift import sampled
+    from ds_acco.core.round.drift import sampled
     assert [t for t in range(10) if sampled(t, 3)] == [0, 3, 6, 9]
     assert [t for t in range(4) if sampled(t, 1)] == [0, 1, 2, 3]
     assert not any(sampled(t, 0) for t in range(4))

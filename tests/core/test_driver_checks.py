@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_acco.core.driver import one_queue_serialisation
-from ds_acco.core.refusals import REFUSALS
+from ds_acco.core.checks.refusals import REFUSALS
 
 GPU = torch.device("cuda", 3)  # a device object only: nothing runs on it
 

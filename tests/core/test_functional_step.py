@@ -16,8 +16,8 @@ import torch
 
 from alloc_counter import AllocCounter
 from ds_ops import op_unavailable
-from ds_acco.core import functional_commit, functional_step
-from ds_acco.core.shard_optimizer import ShardOptimizer, global_norm_sq
+from ds_acco.core.step import functional_commit, functional_step
+from ds_acco.core.step.shard_optimizer import ShardOptimizer, global_norm_sq
 
 TORCH_CONFIGS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),

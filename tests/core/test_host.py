@@ -1,4 +1,4 @@
-"""The driver needs nothing from an adapter but a host (core/host.py): a plain test host over one
+"""The driver needs nothing from an adapter but a host (core/lifecycle/host.py): a plain test host over one
 flat buffer group and a torch optimizer trains ACCO on 2 ranks, and the driver books every commit
 on it: the step counters, the host's per-commit bookkeeping (before global_steps moves on), the
 loss scale, the LR scheduler (stepped once per applied commit, a skipped commit's step undone) and
@@ -11,7 +11,7 @@ NONFINITE_AT = 13  # a micro-batch of a step after the bootstrap: its commit is 
 
 
 class _TestHost:
-    """The smallest :class:`ds_acco.core.host.Host`: attributes and methods, no framework."""
+    """The smallest :class:`ds_acco.core.lifecycle.host.Host`: attributes and methods, no framework."""
 
     framework = "test host"
     model_parallel_group = None
@@ -60,7 +60,7 @@ def _train_with_a_test_host():
     import torch.distributed as dist
 
     from ds_acco.config import AccoConfig
-    from ds_acco.core.buffers import FlatBuffers
+    from ds_acco.core.round.buffers import FlatBuffers
     from ds_acco.core.driver import AccoDriver
 
     if not dist.is_initialized():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ds_acco.core.rounds import RoundContext, RoundKind
-from ds_acco.core.shard_optimizer import ShardOptimizer
+from ds_acco.core.round.rounds import RoundContext, RoundKind
+from ds_acco.core.step.shard_optimizer import ShardOptimizer
 
 
 def _ctx(power):
@@ -209,7 +209,7 @@ def test_a_tensor_setting_a_kept_step_updates_in_place_is_kept():
 def test_a_round_view_resolves_each_attribute_once(monkeypatch):
     """A step reads ``self.state`` once per parameter: the view's lookup must not grow with them."""
     import inspect
-    from ds_acco.core import shard_optimizer
+    from ds_acco.core.step import shard_optimizer
     calls = []
     real = inspect.getattr_static
     monkeypatch.setattr(shard_optimizer.inspect, "getattr_static", lambda *a: (calls.append(a[1]), real(*a))[1])

@@ -3,7 +3,7 @@
 adjacent runs merged, none where the segment holds only replicated parameters."""
 import torch
 
-from ds_acco.core.buffers import FlatBuffers
+from ds_acco.core.round.buffers import FlatBuffers
 
 
 def _flat(rank, world=2, n=20):

@@ -1,4 +1,4 @@
-"""The checks of core/refusals.py that the adapters call with what they built, fed plain values:
+"""The checks of core/checks/refusals.py that the adapters call with what they built, fed plain values:
 FSDP2's parameters (dtypes, meshes), the estimate variants against a real torch optimizer, an estimate
 round wider than the rounds' dtype. Each refusal is asserted by its row's key; the adapters' own
 wiring is exercised by tests/fsdp and tests/deepspeed."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ds_acco.config import AccoConfig
-from ds_acco.core.refusals import check_estimate_dtype, check_estimate_variant, check_fsdp_model
-from ds_acco.core.shard_optimizer import ShardOptimizer
+from ds_acco.core.checks.refusals import check_estimate_dtype, check_estimate_variant, check_fsdp_model
+from ds_acco.core.step.shard_optimizer import ShardOptimizer
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 FINE = dict(one_mesh=True, reduce_dtypes=[F32, F32], param_dtypes=[BF16, BF16], loss_scaling=False,
@@ -88,8 +88,8 @@ def test_initialize_refuses_exactly_the_rates_a_rounds_step_cannot_scale(lr):
     """``estimate.lr_scale`` ≠ 1 and dynamic ``lr_scaling``: refused at initialize (check_estimate_variant, the
     schedule's options) exactly where the lane's scaled step (step_groups) would refuse at the first round."""
     from ds_acco.config import DynamicConfig
-    from ds_acco.core.functional_step import step_groups
-    from ds_acco.core.options import ScheduleOptions
+    from ds_acco.core.step.functional_step import step_groups
+    from ds_acco.core.schedule.options import ScheduleOptions
     so = _shard_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
     so.optimizer.param_groups[0]["lr"] = lr
     try:

@@ -1,11 +1,11 @@
-"""The refusals table (ds_acco/core/refusals.py): every row says what it refuses, why and the fix,
+"""The refusals table (ds_acco/core/checks/refusals.py): every row says what it refuses, why and the fix,
 and some test reaches it (by its key: a test asserts the error's ``refusal`` or names the row)."""
 import re
 from pathlib import Path
 
 import pytest
 
-from ds_acco.core.refusals import LAYOUT_REFUSALS, REFUSALS, ParallelLayout, check_layout, refuse
+from ds_acco.core.checks.refusals import LAYOUT_REFUSALS, REFUSALS, ParallelLayout, check_layout, refuse
 from ds_acco.config import AccoConfig
 
 TESTS = Path(__file__).resolve().parents[1]

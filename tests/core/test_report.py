@@ -1,4 +1,4 @@
-"""A round's report (core/report.py): named fields packed into the counts table and read back by
+"""A round's report (core/round/report.py): named fields packed into the counts table and read back by
 name on every rank; a new field widens the row instead of displacing the stop request or the
 drain flag; checkpoints keep the reports by name and still read the positional rows of earlier
 versions."""
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from ds_acco.comm import collectives
-from ds_acco.core import rounds
+from ds_acco.core.round import rounds
 from ds_acco.core.driver import AccoDriver
-from ds_acco.core.phases import Tally
-from ds_acco.core.report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
-from ds_acco.core.rounds import DrainMismatchError, RoundKind, RoundResult, check_no_drain_abort
-from ds_acco.core.drains import flagged
-from ds_acco.core.schedule import AccoSchedule
-from ds_acco.core.metrics import StepMetrics
+from ds_acco.core.round.kinds import Tally
+from ds_acco.core.round.report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
+from ds_acco.core.round.rounds import DrainMismatchError, RoundKind, RoundResult, check_no_drain_abort
+from ds_acco.core.schedule.drains import flagged
+from ds_acco.core.schedule.machine import AccoSchedule
+from ds_acco.core.lifecycle.metrics import StepMetrics
 
 
 @dataclasses.dataclass(frozen=True)

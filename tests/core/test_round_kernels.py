@@ -3,7 +3,7 @@ round's compute at 100M parameters are at most 2x those at 1M, and at a fixed si
 grow with the number of parameter tensors (FSDP2 hands over one tensor per parameter, hundreds).
 
 Counted with a dispatch mode (tests/op_counter.py) on one rank, without collectives: the round's
-compute as :func:`ds_acco.core.rounds.run_round` runs it -- this rank's reduced shard ÷ the weight
+compute as :func:`ds_acco.core.round.rounds.run_round` runs it -- this rank's reduced shard ÷ the weight
 (``shard_mean``), the squared norm (``global_norm_sq``), the clip (``clip_``), then the estimate
 into B (``estimate_into``) or the commit and the write of θ into B (``commit`` + ``write_shards``).
 Not counted: the collectives (one each on NCCL) and the drift metric (world > 1). Sizes of 100M
@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from ds_acco.core import chunking, rounds
-from ds_acco.core.buffers import BufferGroup
-from ds_acco.core.rounds import RoundKind
-from ds_acco.core.shard_optimizer import ShardOptimizer, global_norm_sq
+from ds_acco.core.step import chunking
+from ds_acco.core.round import rounds
+from ds_acco.core.round.buffers import BufferGroup
+from ds_acco.core.round.rounds import RoundKind
+from ds_acco.core.step.shard_optimizer import ShardOptimizer, global_norm_sq
 from op_counter import OpCounter
 
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build

@@ -1,5 +1,5 @@
 """A skipped commit's LR-scheduler step is undone through the scheduler's protocol
-(ds_acco/core/scheduler_undo.py, driven by ``LRBookkeeping``, ds_acco/core/lr_bookkeeping.py).
+(ds_acco/core/lifecycle/scheduler_undo.py, driven by ``LRBookkeeping``, ds_acco/core/lifecycle/lr_bookkeeping.py).
 
 The calls are the schedule's own, in its order: before a commit is launched the step still owed
 is taken (``step_owed``), the round captures the settings (``capture_settings``: what the round
@@ -17,10 +17,10 @@ import types
 import pytest
 import torch
 
-from ds_acco.core.lr_bookkeeping import LRBookkeeping
-from ds_acco.core.functional_step import capture_settings
-from ds_acco.core.rounds import RoundKind
-from ds_acco.core.scheduler_undo import copied_state, load_restores
+from ds_acco.core.lifecycle.lr_bookkeeping import LRBookkeeping
+from ds_acco.core.step.functional_step import capture_settings
+from ds_acco.core.round.rounds import RoundKind
+from ds_acco.core.lifecycle.scheduler_undo import copied_state, load_restores
 from schedulers import SCHEDULERS, MegatronLikeScheduler, settings
 
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build

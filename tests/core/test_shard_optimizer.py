@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from ds_acco.core.shard_optimizer import ShardOptimizer
+from ds_acco.core.step.shard_optimizer import ShardOptimizer
 
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 

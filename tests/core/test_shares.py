@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from ds_acco.core.phases import SHARE_BAND, SHARE_WINDOW, SharedPhases, share_by_speed, typical_rates
+from ds_acco.core.schedule.phases import SHARE_BAND, SHARE_WINDOW, SharedPhases, share_by_speed, typical_rates
 
 NAN = math.nan
 

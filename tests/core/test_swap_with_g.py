@@ -2,8 +2,8 @@
 where B is exactly G's bytes in G's dtype; otherwise it copies."""
 import torch
 
-from ds_acco.core.buffers import FlatBuffers
-from ds_acco.core.rounds import RoundKind
+from ds_acco.core.round.buffers import FlatBuffers
+from ds_acco.core.round.rounds import RoundKind
 
 
 def _flat(comm_dtype=torch.float32, live_dtype=torch.float32, accum_dtype=torch.float32, n=8):

@@ -1,6 +1,6 @@
 """Rank functions for tests/deepspeed/test_commit_resume.py: ``ds_acco.on_commit`` across a save and
 a resume, and loads into an engine whose parameters are lent (an export or a save during a commit
-phase leaves them viewing B's gathered weights until the phase end: see ds_acco/core/committed.py)."""
+phase leaves them viewing B's gathered weights until the phase end: see ds_acco/core/schedule/committed.py)."""
 from __future__ import annotations
 
 import os

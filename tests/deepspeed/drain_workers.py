@@ -75,7 +75,7 @@ def drain_run(case, total, drain_every, save_every=0, save_dir=None, resume_dir=
 def extra_drain_run(case, total, extra_at):
     """Rank 0 alone reads the committed weights once more, after micro-batch ``extra_at``; both ranks
     then train on. Returns where and how each rank stopped."""
-    from ds_acco.core.rounds import DrainMismatchError
+    from ds_acco.core.round.rounds import DrainMismatchError
     rank = int(os.environ["RANK"])
     engine = _engine_for(case)
     if case.get("every"):

@@ -78,7 +78,7 @@ def checkpoint_resume_runs(case, save_dir, save_at, total, use_ds_acco=True):
 def checkpoint_killed_save(case, save_dir, kill_point):
     """Save tag 'good', train on, then die (exit code 3) during the save of tag 'bad'."""
     import os
-    import ds_acco.core.publish as ckpt
+    import ds_acco.core.lifecycle.publish as ckpt
     rank = int(__import__("os").environ["RANK"])
     engine = _engine_for(case)
     _feed(engine, rank, 0, 5)

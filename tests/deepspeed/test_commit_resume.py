@@ -1,5 +1,5 @@
 """``ds_acco.on_commit`` across a checkpoint (each committed step once, resumed or not), and loads into
-an engine whose parameters are lent after an export or a save (core/committed.py): real DeepSpeed
+an engine whose parameters are lent after an export or a save (core/schedule/committed.py): real DeepSpeed
 engines on 2 gloo ranks, ACCO and stock ZeRO-1 doing the same."""
 import pytest
 import torch

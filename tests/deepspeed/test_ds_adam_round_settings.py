@@ -91,7 +91,7 @@ def _case(op, round_kind):
         return reason
     import ds_acco.deepspeed.functional  # noqa: F401 -- the DeepSpeed adapter registers its Adams with the core
     from ds_acco.comm.lane import CommLane
-    from ds_acco.core.shard_optimizer import ShardOptimizer
+    from ds_acco.core.step.shard_optimizer import ShardOptimizer
     params, opt, sched = _build(op)
     ref_params, ref_opt, ref_sched = _build(op)
     shard = ShardOptimizer(opt, params)

@@ -1,4 +1,4 @@
-"""Refusals the DeepSpeed engine raises on a call, not at construction (core/refusals.py rows)."""
+"""Refusals the DeepSpeed engine raises on a call, not at construction (core/checks/refusals.py rows)."""
 import pytest
 import torch
 

@@ -8,7 +8,7 @@ import pytest
 
 import ds_acco
 from ds_acco.config import AccoConfig, requested_layout
-from ds_acco.core.refusals import LAYOUT_REFUSALS, check_layout
+from ds_acco.core.checks.refusals import LAYOUT_REFUSALS, check_layout
 from fixtures import TinyNet, ds_config, make_optimizer
 
 ACCO = {"enabled": True, "mode": "acco"}
@@ -29,7 +29,7 @@ class FakeMPU:
 
 
 def _refusal(key, model=None, acco=ACCO, mpu=None, **kwargs):
-    """The message of the refusal ``ds_acco.initialize`` raises; ``key``: its row in core/refusals.py."""
+    """The message of the refusal ``ds_acco.initialize`` raises; ``key``: its row in core/checks/refusals.py."""
     model = model or TinyNet(seed=0)
     config = kwargs.pop("config", ds_config(4, acco))
     with pytest.raises(ValueError) as err:

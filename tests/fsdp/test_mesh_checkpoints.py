@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ds_acco.core.refusals import REFUSALS
+from ds_acco.core.checks.refusals import REFUSALS
 from dist import run_ranks
 from timeouts import scaled
 import fsdp_workers

@@ -5,7 +5,7 @@ resident layout: the same weights bit for bit, and the float64 reference."""
 import pytest
 import torch
 
-from ds_acco.core.refusals import REFUSALS
+from ds_acco.core.checks.refusals import REFUSALS
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer, make_scheduler
 from reference import reference_run

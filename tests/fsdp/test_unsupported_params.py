@@ -1,5 +1,5 @@
 """FSDP settings the adapter does not map, refused per parameter (``_torch_internals.check_supported``)
-by their rows of core/refusals.py. Stand-ins for torch's private ``FSDPParam``: only the fields read."""
+by their rows of core/checks/refusals.py. Stand-ins for torch's private ``FSDPParam``: only the fields read."""
 from types import SimpleNamespace as NS
 
 import pytest

@@ -57,7 +57,7 @@ def _report_threads_at_exit() -> None:
     stock's. A thread ACCO started that outlives its exit hook -- the lane, or its group's gloo workers
     -- may still take the GIL while the interpreter finalises, and that aborts the process now and then
     (``at_exit.end_groups``)."""
-    from ds_acco.core.at_exit import join_abandoned_lanes
+    from ds_acco.core.lifecycle.at_exit import join_abandoned_lanes
     join_abandoned_lanes()
     print(f"threads at exit {settled_thread_count()}", flush=True)
 

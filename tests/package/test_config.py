@@ -7,7 +7,7 @@ import pytest
 import ds_acco
 from ds_acco.config import AccoConfig, acco_config_of, load_ds_config
 from ds_acco.config_keys import check_deepspeed_compat
-from ds_acco.core.refusals import REFUSALS
+from ds_acco.core.checks.refusals import REFUSALS
 from fixtures import ds_config
 from dist import run_ranks
 from timeouts import scaled
@@ -82,7 +82,7 @@ def test_bad_block_fails_before_any_distributed_work():
         ds_acco.initialize(model=object(), config={"acco": {"enabled": True, "mode": "x"}})
 
 
-INIT_CASES = [  # (config overrides, model kind, words the message must hold, its row in core/refusals.py)
+INIT_CASES = [  # (config overrides, model kind, words the message must hold, its row in core/checks/refusals.py)
     ({"gradient_accumulation_steps": 3}, "model", ["gradient_accumulation_steps", "3", "fix"], "odd_accumulation"),
     ({"gradient_accumulation_steps": 1}, "model", ["gradient_accumulation_steps", "1", "fix"], "odd_accumulation"),
     ({"zero_optimization": {"stage": 2}}, "model", ["zero_optimization.stage", "2", "fix"], "zero_stage"),

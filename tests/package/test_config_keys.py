@@ -20,7 +20,7 @@ import pytest
 
 from ds_acco import cli
 from ds_acco.config_keys import KEYS, KINDS, classify, replaced_keys
-from ds_acco.core.refusals import REFUSALS
+from ds_acco.core.checks.refusals import REFUSALS
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -109,7 +109,7 @@ def test_the_core_runs_without_deepspeed_installed(tmp_path):
         "        if name == 'deepspeed' or name.startswith('deepspeed.'):\n"
         "            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, NoDeepSpeed())\n"
-        "import ds_acco, ds_acco.core.driver, ds_acco.core.schedule, ds_acco.comm.lane, ds_acco.fsdp\n"
+        "import ds_acco, ds_acco.core.driver, ds_acco.core.schedule.machine, ds_acco.comm.lane, ds_acco.fsdp\n"
         "assert not any(m == 'deepspeed' or m.startswith('deepspeed.') for m in sys.modules)\n"
         "print('ok')\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -119,12 +119,39 @@ def test_the_core_runs_without_deepspeed_installed(tmp_path):
 
 def test_the_schedule_stays_small():
     # The state machine only: its parts (drains, committed weights, checkpoint state, the clock) live apart.
-    assert len((PKG / "core" / "schedule.py").read_text().splitlines()) < 400
+    assert len((PKG / "core" / "schedule" / "machine.py").read_text().splitlines()) < 400
+
+
+# The core's rooms, lowest first: a module imports from its own room or the rooms below (issue 41).
+ROOMS = ("step", "checks", "round", "schedule", "lifecycle")
+
+
+def room_of(module: str):
+    """The rank of a core module's room (ds_acco.core.driver and the package itself: above them all)."""
+    parts = module.split(".")
+    if parts[:2] != ["ds_acco", "core"]:
+        return None
+    return ROOMS.index(parts[2]) if len(parts) > 3 and parts[2] in ROOMS else len(ROOMS)
+
+
+def upward_imports(graph) -> list:
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() if room_of(m) is not None
+                  for t in targets if room_of(t) is not None and room_of(t) > room_of(m))
+
+
+def test_the_cores_rooms_import_only_downward():
+    assert sorted(p.name for p in (PKG / "core").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ROOMS)
+    assert upward_imports(_graph()) == []
+
+
+def test_the_room_check_finds_an_upward_import():
+    graph = {"ds_acco.core.step.functional_step": {"ds_acco.core.round.rounds"},
+             "ds_acco.core.round.rounds": {"ds_acco.core.step.functional_step"}}
+    assert upward_imports(graph) == ["ds_acco.core.step.functional_step imports ds_acco.core.round.rounds"]
 
 
 # The schedule and the parts it holds (issue 35: objects with public interfaces, not mixins sharing state).
-SCHEDULE_PARTS = [f"ds_acco.core.{m}" for m in ("schedule", "committed", "drains", "schedule_state", "compute_clock",
-                                                "inflight")]
+SCHEDULE_PARTS = sorted(m for m in MODULES if m.startswith("ds_acco.core.schedule."))
 
 
 def _private(name: str) -> bool:
@@ -146,7 +173,7 @@ def private_reaches(name: str, source: str) -> list:
               and isinstance(node.args[1], ast.Constant) and _private(str(node.args[1].value))):
             found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
         elif isinstance(node, ast.ImportFrom) and node.level and node.module and any(
-                f"ds_acco.core.{node.module}" == p for p in SCHEDULE_PARTS):
+                f"ds_acco.core.schedule.{node.module}" == p for p in SCHEDULE_PARTS):
             found += [f"{name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names if _private(a.name)]
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -168,7 +195,7 @@ def test_the_schedules_parts_reach_each_other_only_through_public_names():
 
 
 def test_the_private_reach_check_finds_one():
-    part = ("from .schedule_state import _InFlight\n"
+    part = ("from .state import _InFlight\n"
             "class Drains:\n"
             "    def __init__(self, schedule):\n"
             "        self.schedule, self._count = schedule, 0\n"
@@ -179,7 +206,7 @@ def test_the_private_reach_check_finds_one():
              "    def drain(self):\n"
              "        return self._inflight  # set by the class it is mixed into\n")
     assert [f.split(" ", 1)[1] for f in private_reaches("m", part)] == [
-        "imports schedule_state._InFlight", "self.schedule._inflight", "getattr(self.schedule, '_wait')"]
+        "imports state._InFlight", "self.schedule._inflight", "getattr(self.schedule, '_wait')"]
     assert private_reaches("m", mixin) == ["m:3 DrainAgreement reads self._inflight, which it does not own"]
 
 
@@ -198,7 +225,7 @@ def _imports_with_type_hints(name: str, path: Path):
 
 def test_no_import_cycles_even_through_type_hints():
     """A cycle that only type hints close still says a name lives in the wrong module (as RoundKind
-    did in core/rounds.py, imported by core/buffers.py whose BufferGroup rounds.py names)."""
+    did in core/round/rounds.py, imported by core/round/buffers.py whose BufferGroup rounds.py names)."""
     graph = {m: {t for t in _imports_with_type_hints(m, p) if t in MODULES and t != m} for m, p in MODULES.items()}
     assert cycles(graph) == []
 

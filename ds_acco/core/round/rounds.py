@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..comm import collectives
+from ...comm import collectives
+from ..step.shard_optimizer import global_norm_sq
 from .drift import drift_and_cosine, drift_sums, sampled
-from .phases import RoundKind, Tally
+from .kinds import RoundKind, Tally
 from .report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
-from .shard_optimizer import global_norm_sq
 
 if TYPE_CHECKING:
     from .buffers import BufferGroup
-    from .delay_compensation import DelayCompensation
-    from .shard_optimizer import ShardOptimizer
+    from ..step.delay_compensation import DelayCompensation
+    from ..step.shard_optimizer import ShardOptimizer
 
 
 class NonFiniteGradientError(FloatingPointError):

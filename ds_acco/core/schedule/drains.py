@@ -44,11 +44,12 @@ from typing import ContextManager, Optional, Protocol, Union
 
 from torch.profiler import record_function
 
-from ..comm.lane import CommLane
+from ...comm.lane import CommLane
+from ..round.kinds import Tally
+from ..round.report import DRAIN_ABORT, RoundReport
+from ..round.rounds import DrainMismatchError, RoundContext, RoundResult, check_no_drain_abort, exchange_tallies
 from .inflight import InFlight
-from .phases import DynamicPhases, FixedPhases, SharedPhases, Tally
-from .report import DRAIN_ABORT, RoundReport
-from .rounds import DrainMismatchError, RoundContext, RoundResult, check_no_drain_abort, exchange_tallies
+from .phases import DynamicPhases, FixedPhases, SharedPhases
 
 
 class Schedule(Protocol):

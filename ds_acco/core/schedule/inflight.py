@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..comm.lane import RoundHandle
-from .rounds import RoundKind, RoundResult
+from ...comm.lane import RoundHandle
+from ..round.rounds import RoundKind, RoundResult
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .phases import RoundKind
+from .kinds import RoundKind
 
 _SWAP_CHUNK = 1 << 20
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from ..comm import collectives
-from ..comm.lane import RoundHandle
+from ...comm import collectives
+from ...comm.lane import RoundHandle
+from ..round.kinds import Tally
+from ..round.rounds import RoundKind, RoundResult
 from .inflight import InFlight
-from .phases import PhaseKind, SharedPhases, Tally
-from .rounds import RoundKind, RoundResult
+from .phases import PhaseKind, SharedPhases
 
 
 class ScheduleState:

@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .phases import RoundKind
+from ..round.kinds import RoundKind
 from .scheduler_undo import NotUndoable, SchedulerUndo, undoable
 
 logger = logging.getLogger("ds_acco")

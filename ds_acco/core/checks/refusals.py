@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterable, Optional
 
 import torch
 
-from .functional_step import scalable_lr
+from ..step.functional_step import scalable_lr
 from .layout import ParallelLayout  # noqa: F401 -- check_layout's argument; callers import it from here
 
 SEE_FOUND = "{found}: {why}; fix: {fix}"

@@ -13,6 +13,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
+from ..round.kinds import Tally
+
 
 class PhaseKind(str, enum.Enum):
     BOOTSTRAP = "bootstrap"  # first phase: nothing in flight yet
@@ -20,22 +22,6 @@ class PhaseKind(str, enum.Enum):
     # then one commit round waited for at once; nothing is in flight between two phases
     ESTIMATE = "estimate"  # an estimate round is in flight; the model is at θ_t
     COMMIT = "commit"  # a commit round is in flight; the model is at θ̃_{t+1} (acco) or θ_{k-1} (dpu)
-
-
-class RoundKind(str, enum.Enum):
-    """The round a phase end launches: the estimate (first half of a step, discarded) or the commit."""
-    ESTIMATE = "estimate"
-    COMMIT = "commit"
-
-
-@dataclass
-class Tally:
-    """Micro-batches and their weight (1 each, or samples / tokens) summed into a buffer."""
-    micro_batches: int = 0
-    weight: float = 0.0
-
-    def add(self, other: "Tally") -> "Tally":
-        return Tally(self.micro_batches + other.micro_batches, self.weight + other.weight)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ import collections
 import math
 from typing import Deque, Dict, Iterable, Optional
 
-from .phases import PhaseRecord, RoundKind
-from .report import RoundReport
-from .rounds import RoundResult
+from ..round.kinds import RoundKind
+from ..round.report import RoundReport
+from ..round.rounds import RoundResult
+from ..schedule.phases import PhaseRecord
 
 
 class StepMetrics:

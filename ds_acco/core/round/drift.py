@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, List, Sequence
 
 import torch
 
-from ..comm import collectives
-from . import chunking
+from ...comm import collectives
+from ..step import chunking
 
 if TYPE_CHECKING:
     from .buffers import BufferGroup

@@ -30,17 +30,18 @@ from typing import Callable, ContextManager, Deque, List, Optional, Sequence
 
 from torch.profiler import record_function
 
-from ..comm.lane import CommLane
-from .buffers import BufferGroup
+from ...comm.lane import CommLane
+from ..round.buffers import BufferGroup
+from ..round.kinds import Tally
+from ..round.report import RoundReport
+from ..round.rounds import RoundKind, RoundResult, run_round
 from .committed import CommittedWeights
 from .compute_clock import ComputeClock
 from .drains import DrainAgreement
 from .inflight import InFlight
 from .options import ScheduleOptions
-from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases, Tally
-from .report import RoundReport
-from .rounds import RoundKind, RoundResult, run_round
-from .schedule_state import ScheduleState
+from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases
+from .state import ScheduleState
 
 
 class AccoSchedule:

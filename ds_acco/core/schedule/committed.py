@@ -29,10 +29,10 @@ import collections
 import contextlib
 from typing import Callable, ContextManager, Dict, Optional, Protocol, Sequence
 
-from .buffers import BufferGroup
+from ..round.buffers import BufferGroup
+from ..round.kinds import RoundKind
+from ..round.rounds import RoundResult
 from .inflight import InFlight
-from .phases import RoundKind
-from .rounds import RoundResult
 
 
 class RoundInFlightError(RuntimeError):

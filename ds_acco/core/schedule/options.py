@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from . import chunking
-from .buffers import BufferGroup
-from .delay_compensation import DelayCompensation
+from ..checks.refusals import check_lr_scaled
+from ..round.buffers import BufferGroup
+from ..round.rounds import RoundContext
+from ..step import chunking
+from ..step.delay_compensation import DelayCompensation
 from .phases import FixedPhases
-from .refusals import check_lr_scaled
-from .rounds import RoundContext
 
 
 @dataclass(frozen=True)

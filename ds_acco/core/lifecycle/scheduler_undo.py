@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .functional_step import capture_settings
+from ..step.functional_step import capture_settings
 
 _MISSING = object()
 _LOAD_RESTORES: Dict[type, bool] = {}  # per scheduler class: whether load_state_dict() restores a live one

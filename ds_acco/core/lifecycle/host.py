@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .buffers import BufferGroup
-from .rounds import RoundResult
+from ..round.buffers import BufferGroup
+from ..round.rounds import RoundResult
 
 
 class Host(Protocol):
@@ -69,7 +69,7 @@ class Host(Protocol):
 
     def step_lr_scheduler(self) -> Optional[Callable[[], Any]]:
         """Step the LR scheduler once for an applied commit, where stock steps it. A commit found
-        skipped later has that step undone (:class:`~ds_acco.core.lr_bookkeeping.LRBookkeeping`); returns the step's
+        skipped later has that step undone (:class:`~ds_acco.core.lifecycle.lr_bookkeeping.LRBookkeeping`); returns the step's
         inverse (a callable) for schedulers whose ``load_state_dict()`` does not restore, or None."""
 
     def after_commit(self, result: RoundResult, record: dict) -> None:

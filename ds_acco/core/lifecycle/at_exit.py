@@ -6,8 +6,8 @@ import weakref
 
 import torch.distributed as dist
 
-from ..comm.groups import destroyable
-from ..comm.lane import CommLane
+from ...comm.groups import destroyable
+from ...comm.lane import CommLane
 
 
 def close_at_exit(ref: "weakref.ref") -> None:

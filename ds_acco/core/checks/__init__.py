@@ -1,0 +1,5 @@
+"""The refusal table and its checks: ``refusals`` holds every combination ACCO does not run (one
+row each: the key, why, the fix) and the functions that check a config, an optimizer or a
+parallel layout against it; ``layout`` describes the parallel layout a run found. Reads the
+step room (which optimizers have a functional step) and nothing above it.
+"""
