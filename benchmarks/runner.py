@@ -168,7 +168,8 @@ def rank_launches(spec: ABSpec, argv: Sequence[str], *, cl: Optional[cluster.Clu
 def check_variant_config(variant: str, cfg: dict) -> None:
     """What each rank would refuse at start-up, found before anything is launched: the acco block,
     and DeepSpeed's own parse (DeepSpeed variants) or the FSDP variants' limits."""
-    from ds_acco.config import acco_config_of, check_deepspeed_compat
+    from ds_acco.config import acco_config_of
+    from ds_acco.config_keys import check_deepspeed_compat
     try:
         acco = acco_config_of(cfg)
         if is_fsdp(variant):

@@ -20,6 +20,7 @@ _LAZY = {
     "initialize": "ds_acco.deepspeed.engine",
     "AccoEngine": "ds_acco.deepspeed.engine",
     "AccoZeroOptimizer": "ds_acco.deepspeed.optimizer",
+    "AccoRefusal": "ds_acco.core.checks.refusals",  # the core is imported on first use, as DeepSpeed is
 }
 
 
@@ -29,5 +30,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'ds_acco' has no attribute {name!r}")
 
 
-__all__ = ["AccoConfig", "AccoEngine", "AccoZeroOptimizer", "committed_weights", "initialize", "install",
+__all__ = ["AccoConfig", "AccoEngine", "AccoRefusal", "AccoZeroOptimizer", "committed_weights", "initialize", "install",
            "installed", "on_commit", "uninstall", "__version__"]

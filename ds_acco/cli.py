@@ -95,8 +95,10 @@ def check(path: str, out=None, err=None, world_size: Optional[int] = None, gas: 
     ``gradient_accumulation_steps`` the trainer supplies (None: the config's own); print the
     resolved block (stdout) or the errors (stderr)."""
     out, err = out or sys.stdout, err or sys.stderr
-    from .config import (ACCO_KEY, BATCH_KEYS, acco_config_of, check_deepspeed_compat, check_layout,
-                         data_parallel_size, deepspeed_config_at, load_ds_config, requested_layout)
+    from .config import (ACCO_KEY, BATCH_KEYS, acco_config_of, data_parallel_size, deepspeed_config_at,
+                         load_ds_config, requested_layout)
+    from .config_keys import check_deepspeed_compat
+    from .core.checks.refusals import check_layout
 
     try:
         found = configs.resolve(path)

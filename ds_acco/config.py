@@ -1,7 +1,10 @@
 """The ``"acco"`` block of a DeepSpeed JSON config: one typed model, defaults in one place.
 
-Every error is a ``ValueError`` that names the key, the bad value and the fix. DeepSpeed
-ignores unknown top-level keys, so nothing but this module ever reads the block.
+Every error is an ``AccoRefusal`` (a ``ValueError``) that names the key, the bad value and the fix,
+and carries its row of the refusal table (``acco_*`` rows of ``ds_acco.core.checks.refusals``; that
+table is imported only when an error is raised: importing this module does not import the core).
+DeepSpeed ignores unknown top-level keys, so nothing but this module ever reads the block: an entry
+point parses it once (:meth:`AccoConfig.from_block`) and hands the parsed object down.
 """
 from __future__ import annotations
 
@@ -15,23 +18,6 @@ from .config_deepspeed import (ACCO_KEY, BATCH_KEYS, data_parallel_size, deepspe
                                load_ds_config, marked_params, requested_layout, steps_with_increment)
 from .config_routing import (OPT_OUT_ENV, RUN_THROUGH_DS_ACCO, note_opt_out, opted_out,  # noqa: F401
                              stock_engine_refusal)
-
-# What ACCO refuses lives in ds_acco.core.checks.refusals (one table); these names kept their old import
-# path. Resolved on first use: importing the config must not import the core.
-_IN_REFUSALS = ("LAYOUT_REFUSALS", "LOCKSTEP_FIX", "LOCKSTEP_WHY", "UNEVEN_STEPS", "ParallelLayout",
-                "caller_boundary_refusal", "check_layout", "check_lockstep",
-                "check_schedule_compat")
-
-
-def __getattr__(name: str):
-    if name == "check_deepspeed_compat":  # every DeepSpeed key is classified, and checked, in config_keys
-        from .config_keys import check_deepspeed_compat
-        return check_deepspeed_compat
-    if name in _IN_REFUSALS:
-        from .core.checks import refusals
-        return getattr(refusals, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 class DynamicConfig(BaseModel):
     """When a phase ends in ``"accumulation": "dynamic"``."""
@@ -200,35 +186,37 @@ class AccoConfig(BaseModel):
         if block is None:
             return cls()
         if not isinstance(block, Mapping):
-            raise ValueError(f"config key '{ACCO_KEY}' must be a JSON object, got {type(block).__name__} "
-                             f"{block!r}; fix: write e.g. \"acco\": {{\"enabled\": true}}")
+            raise _refused("acco_not_object", f"config key '{ACCO_KEY}' must be a JSON object, got "
+                           f"{type(block).__name__} {block!r}; fix: write e.g. \"acco\": {{\"enabled\": true}}")
         try:
             cfg = cls.model_validate(cls._coerce(block))
         except ValidationError as exc:
-            raise ValueError(_explain(exc, block)) from None
+            raise _refused("acco_unknown_key" if exc.errors()[0]["type"] == "extra_forbidden" else
+                           "acco_invalid_value", _explain(exc, block)) from None
         if cfg.dynamic is not None and cfg.accumulation != "dynamic":
-            raise ValueError(f"acco.dynamic = {block.get('dynamic')!r} has no effect with acco.accumulation = "
-                             f"{cfg.accumulation!r}; fix: set \"accumulation\": \"dynamic\" or remove "
-                             "acco.dynamic")
+            raise _refused("acco_no_effect", f"acco.dynamic = {block.get('dynamic')!r} has no effect with "
+                           f"acco.accumulation = {cfg.accumulation!r}; fix: set \"accumulation\": \"dynamic\" or "
+                           "remove acco.dynamic")
         if cfg.sigterm == "checkpoint" and not cfg.sigterm_checkpoint_dir:
-            raise ValueError("acco.sigterm = 'checkpoint' needs acco.sigterm_checkpoint_dir; fix: set it to a "
-                             "directory or use \"sigterm\": \"stop\"")
+            raise _refused("acco_sigterm_checkpoint_dir", "acco.sigterm = 'checkpoint' needs "
+                           "acco.sigterm_checkpoint_dir; fix: set it to a directory or use \"sigterm\": \"stop\"")
         if cfg.sigterm_checkpoint_dir and cfg.sigterm != "checkpoint":
-            raise ValueError(f"acco.sigterm_checkpoint_dir = {cfg.sigterm_checkpoint_dir!r} has no effect with "
-                             f"acco.sigterm = {cfg.sigterm!r}; fix: set \"sigterm\": \"checkpoint\" or remove it")
+            raise _refused("acco_no_effect", f"acco.sigterm_checkpoint_dir = {cfg.sigterm_checkpoint_dir!r} has no "
+                           f"effect with acco.sigterm = {cfg.sigterm!r}; fix: set \"sigterm\": \"checkpoint\" or "
+                           "remove it")
         if cfg.mode == "dpu" and ("estimate" in block or cfg.sync_warmup_steps):
             key = "estimate" if "estimate" in block else "sync_warmup_steps"
-            raise ValueError(f"acco.{key} = {block.get(key)!r} has no effect with acco.mode = 'dpu' (DPU has no "
-                             f"estimate round); fix: remove acco.{key} or use \"mode\": \"acco\"")
+            raise _refused("acco_no_effect", f"acco.{key} = {block.get(key)!r} has no effect with acco.mode = 'dpu' "
+                           f"(DPU has no estimate round); fix: remove acco.{key} or use \"mode\": \"acco\"")
         if cfg.sync_warmup_steps and cfg.accumulation != "fixed":
-            raise ValueError(f"acco.sync_warmup_steps = {cfg.sync_warmup_steps} with acco.accumulation = "
-                             f"{cfg.accumulation!r}: the synchronous warm-up runs stock's fixed schedule; fix: use "
-                             "\"accumulation\": \"fixed\" or remove sync_warmup_steps")
+            raise _refused("acco_sync_warmup_not_fixed", f"acco.sync_warmup_steps = {cfg.sync_warmup_steps} with "
+                           f"acco.accumulation = {cfg.accumulation!r}: the synchronous warm-up runs stock's fixed "
+                           "schedule; fix: use \"accumulation\": \"fixed\" or remove sync_warmup_steps")
         d = cfg.dynamic
         if d is not None and d.max_micro_batches is not None and d.max_micro_batches < d.min_micro_batches:
-            raise ValueError(f"acco.dynamic.max_micro_batches = {d.max_micro_batches} is below "
-                             f"acco.dynamic.min_micro_batches = {d.min_micro_batches}; fix: raise "
-                             "max_micro_batches or lower min_micro_batches")
+            raise _refused("acco_dynamic_bounds", f"acco.dynamic.max_micro_batches = {d.max_micro_batches} is below "
+                           f"acco.dynamic.min_micro_batches = {d.min_micro_batches}; fix: raise "
+                           "max_micro_batches or lower min_micro_batches")
         return cfg
 
     def estimate_in_banner(self) -> str:
@@ -243,16 +231,6 @@ class AccoConfig(BaseModel):
         """Micro-batches per phase and rank in fixed accumulation (in 'shared': the equal share)."""
         return gradient_accumulation_steps // 2 if self.mode == "acco" else gradient_accumulation_steps
 
-    def phase_policy(self, gradient_accumulation_steps: int):
-        """The core's phase policy for this config (what ends a phase)."""
-        from .core.schedule.phases import DynamicPhases, FixedPhases, SharedPhases
-        if self.accumulation == "dynamic":
-            d = self.dynamic_bounds(gradient_accumulation_steps)
-            return DynamicPhases(d.min_micro_batches, d.max_micro_batches, d.check_every)
-        if self.accumulation == "shared":
-            return SharedPhases(self.phase_length(gradient_accumulation_steps))
-        return FixedPhases(self.phase_length(gradient_accumulation_steps))
-
     def dynamic_bounds(self, gradient_accumulation_steps: int) -> DynamicConfig:
         """The dynamic settings with defaults resolved against the fixed phase length."""
         d = self.dynamic or DynamicConfig()
@@ -260,6 +238,14 @@ class AccoConfig(BaseModel):
             d = d.model_copy(update={"max_micro_batches": max(d.min_micro_batches,
                                                               4 * self.phase_length(gradient_accumulation_steps))})
         return d
+
+
+def _refused(key: str, message: str) -> ValueError:
+    """The refusal table's error of the block's row ``key`` with ``message`` (which names the key, the
+    value and the fix). The table is imported here, on an error only: importing this module must not
+    import the core."""
+    from .core.checks.refusals import REFUSALS, AccoRefusal
+    return AccoRefusal(message, REFUSALS[key])
 
 
 def _explain(exc: ValidationError, block: Mapping[str, Any]) -> str:

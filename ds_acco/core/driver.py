@@ -35,7 +35,8 @@ from ..comm import collectives
 from ..comm.groups import new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
-from .checks.refusals import check_estimate_variant, one_queue_serialisation, refuse
+from .checks.refusals import check_estimate_variant, refuse
+from .checks.warning_rows import one_queue_serialisation
 from .lifecycle.at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, end_groups
 from .lifecycle.host import Host
 from .lifecycle.lr_bookkeeping import LRBookkeeping

@@ -50,9 +50,8 @@ class AccoEngine(DeepSpeedEngine):
     class only routes DeepSpeed's calls to it."""
 
     def __init__(self, *args, acco_config: AccoConfig, **kwargs):
-        config_class = kwargs.get("config_class")
-        if config_class is not None:
-            check_deepspeed_compat(acco_config, config_class)
+        # acco_config: the block :func:`initialize` parsed and checked (check point 1); what this engine
+        # builds is checked as it is built (check point 2: _configure_distributed_model, the optimizer).
         self._acco_config = acco_config
         self._acco_client_mpu = kwargs.get("mpu")  # AutoTP replaces engine.mpu with DeepSpeed's groups module
         self._acco_lr_kwargs = None
@@ -366,25 +365,35 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
         raise TypeError("ds_acco.initialize takes keyword arguments after 'args' and 'model', like "
                         "deepspeed.initialize")
     raw = load_ds_config(config if config is not None else config_params, args)
-    acco = acco_config_of(raw)
+    acco = acco_config_of(raw)  # parsed once, here; everything below receives this object
     if acco.enabled and opted_out():  # DS_ACCO=off: one config shared by stock and ACCO runs, this one stock
         note_opt_out()
         acco = acco.model_copy(update={"enabled": False})
-    # Refused before any process group or engine exists, from what the caller passed; AccoEngine checks
-    # again what DeepSpeed built (_configure_distributed_model).
-    check_layout(acco, requested_layout(raw, kwargs.get("mpu"), model, kwargs.get("lr_scheduler"),
-                                        kwargs.get("mesh_param")))
-    check_ranks_agree(acco, raw, kwargs)
+    _check_requested(acco, raw, model, kwargs)
     if not acco.enabled:
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
-    from deepspeed.runtime.pipe.module import PipelineModule
-    if isinstance(model, PipelineModule):
-        raise refuse("pipeline_module", "acco.enabled = true with a PipelineModule")
 
     def build(*a, **kw):
+        # Check point 1, the rest: the same config as DeepSpeed parsed it (every key classified in
+        # config_keys), before the engine is built. deepspeed.initialize always passes config_class.
+        if kw.get("config_class") is not None:
+            check_deepspeed_compat(acco, kw["config_class"])
         return AccoEngine(*a, acco_config=acco, **kw)
 
     with _substituted(deepspeed, "DeepSpeedEngine", build):
         return deepspeed.initialize(args=args, model=model, config=config, config_params=config_params, **kwargs)
 
 
+def _check_requested(acco: AccoConfig, raw, model, kwargs: dict) -> None:
+    """Check point 1 (docs/design.md, "One path for the config"): the refusal table against what the
+    caller passed, before any process group or engine exists -- the parallel layout it asks for, the
+    ranks' agreement on the block, a PipelineModule. ``AccoEngine`` checks what DeepSpeed built
+    (check point 2: the layout of its groups, its optimizer)."""
+    check_layout(acco, requested_layout(raw, kwargs.get("mpu"), model, kwargs.get("lr_scheduler"),
+                                        kwargs.get("mesh_param")))
+    check_ranks_agree(acco, raw, kwargs)
+    if not acco.enabled:
+        return
+    from deepspeed.runtime.pipe.module import PipelineModule
+    if isinstance(model, PipelineModule):
+        raise refuse("pipeline_module", "acco.enabled = true with a PipelineModule")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_acco.core.driver import one_queue_serialisation
-from ds_acco.core.checks.refusals import REFUSALS
+from ds_acco.core.checks.warning_rows import WARNINGS
 
 GPU = torch.device("cuda", 3)  # a device object only: nothing runs on it
 
@@ -19,7 +19,7 @@ def test_one_queue_on_an_accelerator_serialises_the_rounds_and_says_why(monkeypa
                   "run synchronously", "nothing overlaps", "unset CUDA_DEVICE_MAX_CONNECTIONS"):
         assert words in message, words
     assert one_queue_serialisation(torch.device("xpu", 0), synchronous=False) == message
-    assert message.endswith("; fix: " + REFUSALS["one_hardware_queue"].fix)
+    assert message.endswith("; fix: " + WARNINGS["one_hardware_queue"].fix)
 
 
 @pytest.mark.parametrize("value, device, synchronous", [

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_acco.core.checks.refusals import LAYOUT_REFUSALS, REFUSALS, ParallelLayout, check_layout, refuse
+from ds_acco.core.checks.refusals import LAYOUT_REFUSALS, REFUSALS, AccoRefusal, ParallelLayout, check_layout, refuse
 from ds_acco.config import AccoConfig
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -24,7 +24,8 @@ def test_every_row_names_what_why_and_fix_and_its_message_quotes_them(key):
     assert message.endswith("; fix: " + fix)
     assert not re.search(r"\{(accumulation|uneven_steps|even|optimizer|comm_dtype|found|why|fix)\}", message)
     error = refuse(key, "SETTING = 1", **FIELDS)
-    assert type(error) is ValueError and error.refusal == key and str(error) == message
+    assert type(error) is AccoRefusal and isinstance(error, ValueError)  # issue 41: a ValueError of its own type
+    assert error.refusal == key and error.row is row and str(error) == message
 
 
 def _test_sources():

@@ -315,7 +315,8 @@ def _built_layout_refusal(model, opt, case: dict) -> dict:
     import deepspeed
     from deepspeed.utils import groups
 
-    from ds_acco.config import AccoConfig, check_layout
+    from ds_acco.config import AccoConfig
+    from ds_acco.core.checks.refusals import check_layout
     from ds_acco.deepspeed.layout import built_layout as _built_layout
     groups.mpu = None  # the AutoTP engines before this one left DeepSpeed's groups module as the mpu
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=autotp_config(case, {}),

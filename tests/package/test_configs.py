@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ds_acco.config import ACCO_KEY, acco_config_of, check_deepspeed_compat
+from ds_acco.config import ACCO_KEY, acco_config_of
+from ds_acco.config_keys import check_deepspeed_compat
 
 NEEDS_DEEPSPEED_OPS = False  # no DeepSpeed engine, rank or launcher: conftest.py skips the op build
 

@@ -1,9 +1,11 @@
 """What ACCO refuses, why, and the fix: one table, and the checks each adapter calls with what it built.
 
 Every refusal is a row of :data:`REFUSALS` (a key, the setting refused, the reason, the fix). A check
-raises a ``ValueError`` (its ``refusal`` attribute: the row's key) that reads ``found`` -- the setting as
-the adapter found it, with its value -- then the row's reason and fix. A plain ``ValueError``, so that
-callers and tracebacks see what they always saw. The DeepSpeed engine calls
+raises an :class:`AccoRefusal` (a ``ValueError``: ``except ValueError`` still catches it; ``refusal``: the
+row's key, ``row``: the row) that reads ``found`` -- the setting as the adapter found it, with its value --
+then the row's reason and fix. The config model's own errors on the ``"acco"`` block are rows too
+(``acco_*``, raised by ``AccoConfig.from_block``). Warnings are not rows (:mod:`.warnings`). The DeepSpeed
+engine calls
 ``ds_acco.config_keys.check_deepspeed_compat`` with DeepSpeed's parsed config (every key classified
 there), :func:`check_layout` with the groups it built; ``AccoFSDP`` calls :func:`check_fsdp_model` with the FSDP parameters it took over; the driver
 calls :func:`check_estimate_variant` with its shard optimizer, the schedule :func:`check_lr_scaled`. Nothing here imports a framework: the
@@ -11,7 +13,6 @@ adapters hand over plain values (sizes, dtypes, names).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional
 
@@ -24,28 +25,42 @@ SEE_FOUND = "{found}: {why}; fix: {fix}"
 
 
 @dataclass(frozen=True)
-class Refusal:
-    """One row of :data:`REFUSALS`. ``why`` and ``fix`` may name fields (``{accumulation}``,
+class Row:
+    """A setting, why it matters and the fix. ``why`` and ``fix`` may name fields (``{accumulation}``,
     ``{uneven_steps}``, ...) filled from the call; ``form`` joins the three parts (most rows read
-    "found: why; fix: fix"). Layout rows have ``found_in(acco, layout)``: the setting they refuse
-    under ``layout``, or a false value when they do not apply."""
+    "found: why; fix: fix")."""
 
     key: str
     what: str
     why: str
     fix: str
     form: str = SEE_FOUND
-    found_in: Optional[Callable[..., Optional[str]]] = None
 
     def message(self, found: str = "", **fields) -> str:
         fields.setdefault("uneven_steps", UNEVEN_STEPS.get(fields.get("accumulation", ""), ""))
         return _fill(self.form, found=found, why=_fill(self.why, **fields), fix=_fill(self.fix, **fields))
 
-    def refuse(self, found: str = "", **fields) -> ValueError:
-        """The error to raise: the message, and the row's key as ``error.refusal``."""
-        error = ValueError(self.message(found, **fields))
-        error.refusal = self.key
-        return error
+
+@dataclass(frozen=True)
+class Refusal(Row):
+    """One row of :data:`REFUSALS`. Layout rows have ``found_in(acco, layout)``: the setting they
+    refuse under ``layout``, or a false value when they do not apply."""
+
+    found_in: Optional[Callable[..., Optional[str]]] = None
+
+    def refuse(self, found: str = "", **fields) -> "AccoRefusal":
+        """The error to raise: the message, this row as ``error.row``, its key as ``error.refusal``."""
+        return AccoRefusal(self.message(found, **fields), self)
+
+
+class AccoRefusal(ValueError):
+    """A setting ACCO refuses: its message names the setting, its value, why and the fix; ``row`` is
+    the :class:`Refusal` of :data:`REFUSALS` it comes from, ``refusal`` that row's key."""
+
+    def __init__(self, message: str, row: Refusal):
+        super().__init__(message)
+        self.row = row
+        self.refusal = row.key
 
 
 def _fill(text: str, **fields) -> str:
@@ -76,6 +91,27 @@ def _per_rank_phases(acco) -> bool:
 
 
 _ROWS = (
+    # -- the "acco" block itself (AccoConfig.from_block: the config model's own errors) ---------------
+    Refusal("acco_not_object", "an \"acco\" block that is not a JSON object",
+            "the block is read as an object of ACCO's keys", "write e.g. \"acco\": {\"enabled\": true}"),
+    Refusal("acco_unknown_key", "a key the \"acco\" block (or one of its objects) does not have",
+            "unknown key (a misspelt key would silently leave its setting at the default)",
+            "remove it or use one of the keys the README's config reference lists"),
+    Refusal("acco_invalid_value", "a value of the wrong type or out of range for its key",
+            "the config model validates each key's type and range (strictly: no silent coercion)",
+            "set a valid value or remove the key to get the default"),
+    Refusal("acco_no_effect", "a key that has no effect with the other settings of the block",
+            "it would be ignored (acco.dynamic without dynamic accumulation, sigterm_checkpoint_dir without "
+            "sigterm 'checkpoint', estimate or sync_warmup_steps in mode 'dpu')",
+            "remove the key, or set the setting it belongs to"),
+    Refusal("acco_sigterm_checkpoint_dir", "acco.sigterm 'checkpoint' without acco.sigterm_checkpoint_dir",
+            "a checkpoint on SIGTERM needs a directory to save to",
+            "set it to a directory or use \"sigterm\": \"stop\""),
+    Refusal("acco_sync_warmup_not_fixed", "acco.sync_warmup_steps with accumulation other than 'fixed'",
+            "the synchronous warm-up runs stock's fixed schedule",
+            "use \"accumulation\": \"fixed\" or remove sync_warmup_steps"),
+    Refusal("acco_dynamic_bounds", "acco.dynamic.max_micro_batches below min_micro_batches",
+            "no phase length fits between them", "raise max_micro_batches or lower min_micro_batches"),
     # -- the schedule, every adapter ---------------------------------------------------------------
     Refusal("fp16_master_weights", "fp16.fp16_master_weights_and_grads",
             "ACCO keeps fp32 master shards and accumulates gradients in fp32",
@@ -106,13 +142,6 @@ _ROWS = (
     Refusal("ranks_differ", "settings that differ between ranks (e.g. ACCO enabled on one rank only): they would "
             "issue different collectives and hang", "differs between ranks: {lines}", "give every rank the same config",
             form="{found} {why}; fix: {fix}"),
-    Refusal("one_hardware_queue", "overlapped rounds on one hardware queue (run synchronously instead: a warning)",
-            "a round's collectives, launched from the communication thread, and any collective the compute side "
-            "launches on another process group meanwhile (tensor parallelism, FSDP's all-gathers, a loss averaged "
-            "for logging) would share it in an order that differs between ranks, which can deadlock across ranks. "
-            "The rounds therefore run synchronously (acco.synchronous = true): correct, but nothing overlaps",
-            "unset CUDA_DEVICE_MAX_CONNECTIONS for ACCO runs (Megatron-DeepSpeed needs it only for "
-            "--sequence-parallel)"),
     # -- DeepSpeed's config and engine ---------------------------------------------------------------
     Refusal("fp16_autocast", "torch_autocast with fp16",
             "fp16 autocast makes DeepSpeed scale losses with a torch GradScaler that ACCO's rounds do not divide out",
@@ -246,7 +275,7 @@ LAYOUT_REFUSALS = tuple(r for r in _ROWS if r.found_in is not None)
 assert len(REFUSALS) == len(_ROWS), "refusal keys must be unique"
 
 
-def refuse(key: str, found: str = "", **fields) -> ValueError:
+def refuse(key: str, found: str = "", **fields) -> AccoRefusal:
     """The error of row ``key`` (for the caller to raise; ``error.refusal == key``)."""
     return REFUSALS[key].refuse(found, **fields)
 
@@ -295,14 +324,14 @@ def caller_boundary_refusal(accumulation: str) -> str:
     return under_caller_boundary(accumulation).args[0]
 
 
-def under_caller_boundary(accumulation: str) -> ValueError:
+def under_caller_boundary(accumulation: str) -> AccoRefusal:
     """The error of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
     return refuse("per_rank_phases_caller_boundary",
                   f"acco.accumulation = {accumulation!r} with a caller that sets the accumulation boundary and calls "
                   "step() once per iteration (Megatron-DeepSpeed's train_step)", accumulation=accumulation)
 
 
-def under_accelerate(accumulation: str) -> ValueError:
+def under_accelerate(accumulation: str) -> AccoRefusal:
     """The error of ``accumulation`` (dynamic / shared) under Accelerate / HF Trainer."""
     return refuse("per_rank_phases_accelerate",
                   f"acco.accumulation = {accumulation!r} under Accelerate / HF Trainer", accumulation=accumulation)
@@ -360,27 +389,3 @@ def check_fsdp_model(*, one_mesh: bool, reduce_dtypes: Iterable[torch.dtype], pa
     if post_forward_mesh:
         raise refuse("fsdp_post_forward_mesh", "AccoFSDP(sharded_params=True) with an integer reshard_after_forward "
                                                "(a post-forward mesh)")
-
-
-def one_hardware_queue(device: torch.device) -> bool:
-    """Whether ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's launch scripts export it) gives this
-    accelerator one hardware queue, shared by every stream."""
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
-    return device.type != "cpu" and value.isdigit() and int(value) == 1
-
-
-def one_queue_serialisation(device: torch.device, synchronous: bool) -> Optional[str]:
-    """Why the rounds must run synchronously here, or None (docs/collective_order.md).
-
-    With one hardware queue, a round's collectives (the lane's communicator, launched from the
-    lane's thread) and a collective the compute side launches on another communicator while the
-    round is in flight (a tensor-parallel all-reduce, FSDP's all-gather, a loss averaged for
-    logging) sit in one FIFO in an order that differs from rank to rank; each waits at the head of
-    the queue for a kernel queued behind the other on its peer: a deadlock across ranks. Run
-    synchronously, every rank launches the rounds' collectives from the compute thread in program
-    order. The caller makes the rounds synchronous and warns with this text."""
-    if synchronous or not one_hardware_queue(device):
-        return None
-    return REFUSALS["one_hardware_queue"].message(
-        "ACCO: CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's launch scripts export it) gives the device one hardware "
-        "queue")

@@ -9,7 +9,7 @@ from ..round.buffers import BufferGroup
 from ..round.rounds import RoundContext
 from ..step import chunking
 from ..step.delay_compensation import DelayCompensation
-from .phases import FixedPhases
+from .phases import DynamicPhases, FixedPhases, SharedPhases
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,23 @@ class ScheduleOptions:
     @classmethod
     def from_config(cls, acco, gradient_accumulation_steps: int, clip_grad: float = 0.0,
                     sum_ranks: bool = False) -> "ScheduleOptions":
-        """From an :class:`~ds_acco.config.AccoConfig` and the framework's accumulation count, clip and
-        reduction (``sum_ranks``: summed over the ranks, not averaged)."""
-        return cls(mode=acco.mode, phases=acco.phase_policy(gradient_accumulation_steps),
-                   gas_scale=1.0 / gradient_accumulation_steps, clip_grad=float(clip_grad or 0.0), sum_ranks=sum_ranks,
+        """From the parsed :class:`~ds_acco.config.AccoConfig` the entry point built (handed down: read
+        here, never re-parsed) and the framework's accumulation count, clip and reduction
+        (``sum_ranks``: summed over the ranks, not averaged)."""
+        gas = gradient_accumulation_steps
+        nominal = acco.phase_length(gas)
+        dynamic = acco.dynamic_bounds(gas) if acco.accumulation == "dynamic" else None
+        if dynamic is not None:  # what ends a phase
+            phases = DynamicPhases(dynamic.min_micro_batches, dynamic.max_micro_batches, dynamic.check_every)
+        else:
+            phases = SharedPhases(nominal) if acco.accumulation == "shared" else FixedPhases(nominal)
+        return cls(mode=acco.mode, phases=phases,
+                   gas_scale=1.0 / gas, clip_grad=float(clip_grad or 0.0), sum_ranks=sum_ranks,
                    nonfinite=acco.nonfinite, drift_every=acco.metrics.drift_every() if acco.mode == "acco" else 0,
                    chunk_elems=None if acco.chunk_elements == "auto" else acco.chunk_elements,
-                   lr_power=(acco.dynamic_bounds(gradient_accumulation_steps).lr_power
-                             if acco.accumulation == "dynamic" else 0.0),
-                   lr_scaling=(acco.dynamic_bounds(gradient_accumulation_steps).lr_scaling
-                               if acco.accumulation == "dynamic" else "none"),
-                   nominal_phase=acco.phase_length(gradient_accumulation_steps),
+                   lr_power=dynamic.lr_power if dynamic is not None else 0.0,
+                   lr_scaling=dynamic.lr_scaling if dynamic is not None else "none",
+                   nominal_phase=nominal,
                    estimate_lr_scale=acco.estimate.lr_scale,
                    committed_second_moment=acco.estimate.second_moment == "committed",
                    delay_compensation=acco.estimate.delay_compensation,
