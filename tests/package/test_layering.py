@@ -309,8 +309,8 @@ def recording_writes(classes, found: set):
 
 
 def _drive_schedules_recording_writes():
-    """Two schedules on the ranks (fixed accumulation with a synchronous warm-up step; dynamic, whose
-    drains agree): bootstrap, estimate, commit, drains, committed weights, a hold, state_dict, load,
+    """Schedules on the ranks (fixed accumulation with a synchronous warm-up step; dynamic, whose drains
+    agree; shared, whose shares a load restores; dpu): bootstrap, estimate, commit, drains, committed weights, a hold, state_dict, load,
     reset, close; every cross-part write recorded."""
     import torch
     import torch.distributed as dist
@@ -330,6 +330,7 @@ def _drive_schedules_recording_writes():
     phases_seen = set()
     configs = (AccoConfig(enabled=True, mode="acco", sync_warmup_steps=1),
                AccoConfig(enabled=True, mode="acco", accumulation="dynamic"),
+               AccoConfig(enabled=True, mode="acco", accumulation="shared"),
                AccoConfig(enabled=True, mode="dpu"))
     for config in configs:
         live, grads = torch.zeros(n), torch.zeros(n)
