@@ -257,15 +257,15 @@ class AccoSchedule:
         return self.committed.holds
 
     def state_dict(self) -> dict:
-        """Everything in flight, for an exact resume (:meth:`.schedule_state.ScheduleState.state_dict`)."""
+        """Everything in flight, for an exact resume (:meth:`.state.ScheduleState.state_dict`)."""
         return self.checkpoint.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (:meth:`.schedule_state.ScheduleState.load_state_dict`)."""
+        """Restore :meth:`state_dict`'s output (:meth:`.state.ScheduleState.load_state_dict`)."""
         self.checkpoint.load_state_dict(state)
 
     def reset(self, committed_steps: int) -> None:
-        """Start over at the current weights (:meth:`.schedule_state.ScheduleState.reset`)."""
+        """Start over at the current weights (:meth:`.state.ScheduleState.reset`)."""
         self.checkpoint.reset(committed_steps)
 
     @property
