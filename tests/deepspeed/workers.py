@@ -122,7 +122,7 @@ def install_dynamic_scaler(engine, args: dict) -> None:
     opt = engine.optimizer
     opt.loss_scaler = DynamicLossScaler(**args)
     opt.dynamic_loss_scale = True
-    opt.schedule.accumulated_loss_scale = opt.loss_scale  # nothing accumulated yet: G starts at this scale
+    opt.schedule.sync_accumulated_loss_scale()  # nothing accumulated yet (G is 0): G starts at this scale
 
 
 def train_cases(cases, use_ds_acco=True):

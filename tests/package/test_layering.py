@@ -278,3 +278,119 @@ def test_each_library_file_is_one_concern_under_400_lines(name):
     docstring = ast.get_docstring(ast.parse(text))
     assert docstring and docstring.splitlines()[0].strip(), f"{name}: no docstring naming its concern"
     assert len(text.splitlines()) < 400, f"{name}: {len(text.splitlines())} lines"
+
+
+# Shared mutable state across the schedule's parts, by behaviour (issue 41): every attribute write on a part
+# is recorded with the object whose code made it; a part's attributes are written only by its own code.
+def _schedule_parts():
+    from ds_acco.core.schedule.committed import CommittedWeights
+    from ds_acco.core.schedule.compute_clock import ComputeClock
+    from ds_acco.core.schedule.drains import DrainAgreement
+    from ds_acco.core.schedule.inflight import InFlight
+    from ds_acco.core.schedule.machine import AccoSchedule
+    from ds_acco.core.schedule.state import ScheduleState
+    return (AccoSchedule, DrainAgreement, CommittedWeights, ScheduleState, ComputeClock, InFlight)
+
+
+def recording_writes(classes, found: set):
+    """Patch ``__setattr__`` of ``classes``: a write from library code running on another object
+    (the caller frame's ``self``, or none) is added to ``found`` as "writer (function) writes Class.attr"."""
+    def recorder(cls, original):
+        def __setattr__(obj, name, value):
+            frame = sys._getframe(1)
+            writer = frame.f_locals.get("self")
+            if writer is not obj and frame.f_code.co_filename.startswith(str(PKG)):
+                by = type(writer).__name__ if writer is not None else Path(frame.f_code.co_filename).stem
+                found.add(f"{by} ({frame.f_code.co_name}) writes {cls.__name__}.{name}")
+            original(obj, name, value)
+        return __setattr__
+    for cls in classes:
+        cls.__setattr__ = recorder(cls, cls.__setattr__)
+
+
+def _drive_schedules_recording_writes():
+    """Schedules on the ranks (fixed accumulation with a synchronous warm-up step; dynamic, whose drains
+    agree; shared, whose shares a load restores; dpu): bootstrap, estimate, commit, drains, committed weights, a hold, state_dict, load,
+    reset, close; every cross-part write recorded."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_acco.comm.lane import CommLane
+    from ds_acco.config import AccoConfig
+    from ds_acco.core.round.buffers import FlatBuffers
+    from ds_acco.core.schedule.machine import AccoSchedule
+    from ds_acco.core.schedule.options import ScheduleOptions
+    from ds_acco.core.step.shard_optimizer import ShardOptimizer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world, n = dist.get_rank(), dist.get_world_size(), 8
+    found: set = set()
+    recording_writes(_schedule_parts(), found)
+    phases_seen = set()
+    configs = (AccoConfig(enabled=True, mode="acco", sync_warmup_steps=1),
+               AccoConfig(enabled=True, mode="acco", accumulation="dynamic"),
+               AccoConfig(enabled=True, mode="acco", accumulation="shared"),
+               AccoConfig(enabled=True, mode="dpu"))
+    for config in configs:
+        live, grads = torch.zeros(n), torch.zeros(n)
+        master = torch.nn.Parameter(live.narrow(0, rank * n // world, n // world).clone())
+        group = FlatBuffers(live, grads, master, rank=rank, world=world, comm_dtype=torch.float32)
+        optimizer = ShardOptimizer(torch.optim.SGD([master], lr=0.1), [master])
+        schedule = AccoSchedule([group], optimizer, CommLane(timeout_s=scaled(60)), process_group=dist.group.WORLD,
+                                rank=rank, world=world, options=ScheduleOptions.from_config(config, 2))
+        target = torch.arange(n, dtype=torch.float32)
+
+        def micro_batches(count):
+            for _ in range(count):
+                schedule.before_backward()
+                grads.add_(live - target)
+                ends = schedule.decide_phase_end()
+                schedule.record_micro_batch(1.0)
+                phases_seen.add(schedule.phase.value)
+                if ends:
+                    schedule.end_phase()
+
+        micro_batches(9)
+        with schedule.committed_weights():
+            pass
+        schedule.hold_committed_weights(agreed=True)
+        state = schedule.state_dict()
+        micro_batches(3)
+        schedule.load_state_dict(state)
+        micro_batches(4)
+        schedule.reset(schedule.committed_steps)
+        micro_batches(5)
+        schedule.drain()
+        schedule.close()
+    return {"found": sorted(found), "phases": sorted(phases_seen)}
+
+
+def test_no_part_of_the_schedule_writes_another_parts_attributes():
+    """A part's state changes only through its own code: the machine replaces its position, the checkpoint
+    state asks the machine (and the drains) to restore theirs, the drains and the committed weights read
+    the position and the round in flight through the machine's read-only names."""
+    from dist import run_ranks
+    outs = run_ranks(_drive_schedules_recording_writes, world=2, timeout=scaled(120))
+    for out in outs:
+        assert out["phases"] == ["bootstrap", "commit", "estimate", "sync"]
+        assert out["found"] == []
+
+
+def test_the_write_recorder_finds_a_write_from_another_part():
+    class Part:
+        def __init__(self):
+            self.count = 0
+
+    class Other:
+        def poke(self, part):
+            part.count = 1  # library code would be recorded; this file is not the library
+    found: set = set()
+    recording_writes([Part], found)
+    Other().poke(Part())
+    assert found == set()  # written from a test: not the library's code
+    source = "def poke(self, part):\n    part.count = 1\n"
+    namespace: dict = {}
+    exec(compile(source, str(PKG / "core" / "schedule" / "fake.py"), "exec"), namespace)
+    namespace["poke"](Other(), Part())
+    assert found == {"Other (poke) writes Part.count"}

@@ -12,9 +12,10 @@ class RoundKind(str, enum.Enum):
     COMMIT = "commit"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tally:
-    """Micro-batches and their weight (1 each, or samples / tokens) summed into a buffer."""
+    """Micro-batches and their weight (1 each, or samples / tokens) summed into a buffer (a value: adding
+    makes a new one)."""
     micro_batches: int = 0
     weight: float = 0.0
 

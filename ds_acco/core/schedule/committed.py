@@ -213,8 +213,7 @@ class CommittedWeights:
 
     def announce(self, inflight) -> None:
         """A commit's θ is in the live weights for the first time: tell the observers (once)."""
-        if inflight.kind is RoundKind.COMMIT and not inflight.announced:
-            inflight.announced = True
+        if inflight.announce():
             for observe in list(self.observers.values()):
                 observe(inflight.step + 1)
 

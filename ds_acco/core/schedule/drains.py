@@ -53,16 +53,22 @@ from .phases import DynamicPhases, FixedPhases, SharedPhases
 
 
 class Schedule(Protocol):
-    """What the drain protocol reads and drives of the schedule (its public names)."""
+    """What the drain protocol reads and drives of the schedule (its public names; its position read-only)."""
 
     rank: int
     world: int
     lane: CommLane
     context: RoundContext
     phases: Union[FixedPhases, DynamicPhases, SharedPhases]
-    micro_batches: int  # all micro-batches ever recorded
-    phase_tally: Tally  # the phase in progress
-    buffer_tally: Tally  # what G holds
+
+    @property
+    def micro_batches(self) -> int: ...  # all micro-batches ever recorded
+
+    @property
+    def phase_tally(self) -> Tally: ...  # the phase in progress
+
+    @property
+    def buffer_tally(self) -> Tally: ...  # what G holds
 
     @property
     def inflight(self) -> Optional[InFlight]: ...
@@ -94,6 +100,10 @@ class DrainAgreement:
         self.count = 0  # drain() calls so far: the j-th drain of every rank agrees (checkpointed)
         self._warned_stretch = False
 
+    def restore_count(self, count: int) -> None:
+        """A load: the saving run's drain count, so that flags stay comparable."""
+        self.count = int(count)
+
     @property
     def agrees(self) -> bool:
         """Whether drains run the agreement protocol: whenever the ranks may stand at different phase
@@ -119,12 +129,12 @@ class DrainAgreement:
         inflight = s.inflight
         if why is None or not self.agrees or inflight is None:
             return why
-        inflight.wait_mark = inflight.wait_s  # the phase end still books this wait as its own
+        inflight.mark_wait()  # the phase end still books this wait as its own
         s.wait_for(inflight)
         if not self.peer_draining():
             return why
         self.check_pair_up()
-        inflight.wait_mark = None
+        inflight.mark_wait(keep=False)
         return None
 
     def _warn_if_share_stretched(self, drain_at: int) -> None:

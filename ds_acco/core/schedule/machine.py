@@ -5,8 +5,16 @@ Phases and rounds (mode 'acco'):
   phase E_t -- compute g_t at θ_t into G (G still holds Σg̃_t) ---- round E_t: θ̃_{t+1}, discarded S
   swap      -- model ← θ̃_{t+1}; B ← G (full batch); G ← 0; round C_t
   phase C_t -- compute g̃_{t+1} at θ̃_{t+1} into G ------------------ round C_t: θ_{t+1}, S_{t+1} kept
-  swap      -- model ← θ_{t+1}; commit callback (LR scheduler); B ← G (Σg̃_{t+1}); round E_{t+1}
+  swap      -- model ← θ_{t+1}; commit booked (``on_commit``); B ← G (Σg̃_{t+1}); round E_{t+1}
 Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G ← 0, round k.
+Each phase end is a row of :data:`.transitions.TRANSITIONS` (by mode and phase ended).
+
+The LR scheduler is not stepped at a commit's collection: its step for step t falls due when the
+commit round C_t is launched (``after_launch``) and is taken right after, at the latest before the
+next launch (``before_launch``; the driver's LR bookkeeping, :mod:`..lifecycle.lr_bookkeeping`), so
+both rounds of step t use step t's rate. The commit's collection (``on_commit``) books it: step
+counters, loss scaler, and a skipped commit's scheduler step undone (a scheduler that cannot be
+undone is stepped there instead, once the commit is known applied).
 
 The synchronous warm-up (``acco.sync_warmup_steps`` = K, mode 'acco', fixed accumulation) first runs
 stock's schedule with ACCO's buffers: K phases of kind SYNC, each A micro-batches at θ_t into G, then
@@ -17,8 +25,9 @@ G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a r
 :func:`.rounds.run_round` on the lane. The schedule holds its parts, each an object with a public
 interface that reaches the schedule only through its public names: dynamic mode's drains that agree
 across ranks (:mod:`.drains`), θ put into the live weights for evaluations and exports
-(:mod:`.committed`), the in-flight state of checkpoints (:mod:`.schedule_state`) and this rank's
-compute clock (:mod:`.compute_clock`).
+(:mod:`.committed`), the in-flight state of checkpoints (:mod:`.state`) and this rank's
+compute clock (:mod:`.compute_clock`). Where the schedule stands is one value, :class:`.position.Position`,
+which only the schedule replaces; the parts read it through the schedule's read-only names.
 """
 from __future__ import annotations
 
@@ -41,7 +50,9 @@ from .drains import DrainAgreement
 from .inflight import InFlight
 from .options import ScheduleOptions
 from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases
+from .position import Position, position_field
 from .state import ScheduleState
+from .transitions import TRANSITIONS
 
 
 class AccoSchedule:
@@ -85,7 +96,6 @@ class AccoSchedule:
         if isinstance(self.phases, SharedPhases):
             self.phases = self.phases.for_rank(rank, world)  # equal shares (fixed mode's) until rates are known
         self._closed = False
-        self._inflight: Optional[InFlight] = None
         # The parts (see the module docstring): each reads the schedule only through its public names.
         self.drain_agreement = DrainAgreement(self)
         self.committed = CommittedWeights(self.groups, self, shard_optimizer)
@@ -103,41 +113,49 @@ class AccoSchedule:
         self.before_launch = before_launch
         self.after_launch = after_launch
         self.loss_scale = loss_scale
-        self.accumulated_loss_scale = self.current_loss_scale()  # the scale G's contents carry
-        self.phase = self.opening_phase(0)
-        self.step_index = 0  # t: the optimizer step whose data the compute lane is producing
-        self.committed_steps = 0
-        self.phase_tally = Tally()  # the current phase
-        self.buffer_tally = Tally()  # what G holds since it was last cleared
-        self.micro_batches = 0  # all micro-batches ever recorded
+        self.position = Position(self.opening_phase(0), accumulated_loss_scale=self.current_loss_scale())
         self.history: Deque[PhaseRecord] = collections.deque(maxlen=options.history)
         self.recent_rounds: Deque[RoundResult] = collections.deque(maxlen=8)
         self.round_observers: List[Callable[[RoundResult], None]] = []  # called as each round is collected
-        self._decision: Optional[tuple] = None  # (micro-batch index, why the phase ends or None)
-        self.last_commit_grad_norm: Optional[float] = None  # the newest collected commit's (checkpointed)
         for g in self.groups:
             g.zero_grads()
+
+    # -- the position (:class:`.position.Position`), read-only: only the schedule replaces it ---------
+    phase = position_field("phase", "The phase in progress.")
+    step_index = position_field("step_index", "t: the optimizer step whose data the compute lane is producing.")
+    committed_steps = position_field("committed_steps", "Commits booked (waited for).")
+    phase_tally = position_field("phase_tally", "The micro-batches of the phase in progress.")
+    buffer_tally = position_field("buffer_tally", "What G holds since it was last cleared.")
+    micro_batches = position_field("micro_batches", "All micro-batches ever recorded.")
+    accumulated_loss_scale = position_field("accumulated_loss_scale", "The loss scale G's contents carry.")
+    last_commit_grad_norm = position_field("last_commit_grad_norm", "The newest collected commit's gradient norm.")
+    inflight = position_field("inflight", "The round launched and not yet swapped in (finished or not), if any.")
+
+    def _move(self, **changes) -> None:
+        self.position = dataclasses.replace(self.position, **changes)
 
     # -- the compute lane's calls ---------------------------------------------------------
     def forecast_phase_end(self) -> bool:
         """Whether the phase would end with the micro-batch now being computed, were it decided
         now (a query: a later decision in dynamic mode may see more rounds done). Once
         :meth:`decide_phase_end` has run for this micro-batch, its answer."""
-        if self._decision is not None and self._decision[0] == self.micro_batches:
-            return self._decision[1] is not None
+        decision = self.position.decision
+        if decision is not None and decision[0] == self.micro_batches:
+            return decision[1] is not None
         return self._why_phase_ends() is not None
 
     def decide_phase_end(self) -> bool:
         """Decide, once per micro-batch, whether the phase ends with it (later calls agree)."""
-        if self._decision is None or self._decision[0] != self.micro_batches:
+        decision = self.position.decision
+        if decision is None or decision[0] != self.micro_batches:
             self.committed.release()  # a micro-batch runs on the live weights
             self.drain_agreement.check_pair_up()
             why = self.drain_agreement.keep_phase_open(self._why_phase_ends())
-            self._decision = (self.micro_batches, why)
-        return self._decision[1] is not None
+            self._move(decision=(self.micro_batches, why))
+        return self.position.decision[1] is not None
 
     def _why_phase_ends(self) -> Optional[str]:
-        inflight = self._inflight
+        inflight = self.inflight
         if self.agrees_drains and self.drain_agreement.peer_draining():
             return None
         done = (lambda: True) if inflight is None else inflight.handle.done
@@ -152,10 +170,9 @@ class AccoSchedule:
 
     def record_micro_batch(self, weight: float = 1.0) -> None:
         """Note one finished backward pass whose gradient now sits in G."""
-        one = Tally(1, float(weight))
-        self.phase_tally = self.phase_tally.add(one)
-        self.buffer_tally = self.buffer_tally.add(one)
-        self.micro_batches += 1
+        one, p = Tally(1, float(weight)), self.position
+        self._move(phase_tally=p.phase_tally.add(one), buffer_tally=p.buffer_tally.add(one),
+                   micro_batches=p.micro_batches + 1)
 
     def end_phase(self, exchanged: Optional[tuple] = None, reason: Optional[str] = None) -> None:
         """Phase boundary: collect the round in flight, swap, launch the next round (with
@@ -163,40 +180,22 @@ class AccoSchedule:
         with record_function("ACCO::phase_end"):
             self.committed.release()  # the swap below moves the live weights the compute lane ran on
             self.clock.end_phase(self.phase_tally.micro_batches)
-            ended, wait_s, collected = self.phase, 0.0, self._inflight
-            if reason is None and self._decision and self._decision[0] == self.micro_batches - 1:
-                reason = self._decision[1]
-            step = self.step_index
-            if self.mode == "dpu":
-                if self.phase is not PhaseKind.BOOTSTRAP:
-                    wait_s = self._collect_into_live()  # model ← θ_k
-                    self.step_index += 1
-                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged)
-                self.phase = PhaseKind.COMMIT
-            elif self.phase is PhaseKind.SYNC:  # stock's step: waited for here, nothing overlaps
-                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged, sync=True)
-                wait_s = self._collect_into_live()  # model ← θ_{t+1} before the next micro-batch
-                self.step_index += 1
-                self.phase = self.opening_phase(self.step_index)
-            elif self.phase is PhaseKind.BOOTSTRAP:
-                self._launch(RoundKind.ESTIMATE, clear_grads=False, exchanged=exchanged)
-                self.phase = PhaseKind.ESTIMATE
-            elif self.phase is PhaseKind.ESTIMATE:
-                estimate = self._inflight
-                wait_s = self._collect_into_live()  # model ← θ̃_{t+1}
-                self._launch(RoundKind.COMMIT, clear_grads=True, exchanged=exchanged,  # the full batch of step t
-                             first_half_weight=estimate.result.total.weight)
-                self.phase = PhaseKind.COMMIT
-            else:
-                wait_s = self._collect_into_live()  # model ← θ_{t+1}
-                self.step_index += 1
-                self._launch(RoundKind.ESTIMATE, clear_grads=False, exchanged=exchanged)  # Σg̃_{t+1}, kept in G
-                self.phase = PhaseKind.ESTIMATE
-            data_step = step + 1 if ended is PhaseKind.COMMIT else (
-                step if ended in (PhaseKind.ESTIMATE, PhaseKind.SYNC) else 0)
+            ended, wait_s, collected, step = self.phase, 0.0, self.inflight, self.step_index
+            decision = self.position.decision
+            if reason is None and decision and decision[0] == self.micro_batches - 1:
+                reason = decision[1]
+            row = TRANSITIONS[(self.mode, ended)]
+            if row.collect and not row.sync:
+                wait_s = self._collect_into_live(row.advance_step)  # model ← θ̃_{t+1} (estimate) or θ_{t+1}
+            self._launch(row.launch, clear_grads=row.clear_grads, exchanged=exchanged, sync=row.sync,
+                         first_half_weight=collected.result.total.weight if row.first_half_weight else None)
+            if row.sync:  # stock's step: waited for here, model ← θ_{t+1} before the next micro-batch
+                wait_s = self._collect_into_live(row.advance_step)
+            self._move(phase=self.opening_phase(self.step_index) if row.next_phase is None else row.next_phase)
+            data_step = 0 if row.data_step is None else step + row.data_step
             self.history.append(PhaseRecord(ended, data_step, self.phase_tally, wait_s, time.perf_counter(),
                                             reason or "forced"))
-            self.phase_tally = Tally()
+            self._move(phase_tally=Tally())
             if isinstance(self.phases, SharedPhases) and collected is not None and collected.result.peer_report:
                 self.phases = self.phases.reshare([p.compute_s_per_micro_batch for p in collected.result.peer_report])
             self.clock.start_phase()
@@ -207,14 +206,9 @@ class AccoSchedule:
         return self._closed
 
     @property
-    def inflight(self) -> Optional[InFlight]:
-        """The round launched and not yet swapped in (finished or not), if any."""
-        return self._inflight
-
-    @property
     def round_in_flight(self) -> Optional[RoundKind]:
         """The kind of :attr:`inflight`, if any."""
-        return None if self._inflight is None else self._inflight.kind
+        return None if self.inflight is None else self.inflight.kind
 
     def close(self) -> None:
         """Drain, leave the committed θ in the live weights for good (nothing trains after a
@@ -233,7 +227,7 @@ class AccoSchedule:
         """Forget the round in flight without waiting for it (see ``AccoDriver.abandon``); later
         drains and closes do nothing."""
         self._closed = True
-        self._inflight = None
+        self._move(inflight=None)
 
     # -- the parts' delegates: the public API the driver, the adapters and the tests call ------
     def drain(self) -> Optional[RoundResult]:
@@ -263,15 +257,15 @@ class AccoSchedule:
         return self.committed.holds
 
     def state_dict(self) -> dict:
-        """Everything in flight, for an exact resume (:meth:`.schedule_state.ScheduleState.state_dict`)."""
+        """Everything in flight, for an exact resume (:meth:`.state.ScheduleState.state_dict`)."""
         return self.checkpoint.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (:meth:`.schedule_state.ScheduleState.load_state_dict`)."""
+        """Restore :meth:`state_dict`'s output (:meth:`.state.ScheduleState.load_state_dict`)."""
         self.checkpoint.load_state_dict(state)
 
     def reset(self, committed_steps: int) -> None:
-        """Start over at the current weights (:meth:`.schedule_state.ScheduleState.reset`)."""
+        """Start over at the current weights (:meth:`.state.ScheduleState.reset`)."""
         self.checkpoint.reset(committed_steps)
 
     @property
@@ -284,14 +278,13 @@ class AccoSchedule:
         """Time inside is not micro-batch compute (:meth:`.compute_clock.ComputeClock.off_the_clock`)."""
         return self.clock.off_the_clock()
 
-    def restore_inflight(self, inflight: Optional[InFlight]) -> None:
-        """A load or reset: ``inflight`` (a restored, finished round, or None) is the round in flight."""
-        self._inflight = inflight
-
-    def forget_phase_in_progress(self) -> None:
-        """A load or reset: the phase in progress began before it: no phase-end decision was taken
-        for it, it is not measured, and a drift measured before belongs to no step after it."""
-        self._decision = None
+    def restore(self, position: Position, phases=None) -> None:
+        """A load or reset: the schedule stands at ``position`` (its round in flight a restored,
+        finished round, or None) and, given, runs ``phases`` from here; the phase in progress began
+        before: no phase-end decision was taken for it, it is not measured, and a drift measured
+        before belongs to no step after it."""
+        self.position = dataclasses.replace(position, decision=None)
+        self.phases = self.phases if phases is None else phases
         self.context.pending_drift = None
         self.clock.skip_phase()
 
@@ -316,7 +309,7 @@ class AccoSchedule:
         if new != self.accumulated_loss_scale:
             for g in self.groups:
                 g.scale_grads(new / self.accumulated_loss_scale)
-            self.accumulated_loss_scale = new
+            self._move(accumulated_loss_scale=new)
 
     def round_report(self, drain: int = 0) -> RoundReport:
         """What this rank sends with a round or a probe: the caller's report, with the drain it is
@@ -335,7 +328,7 @@ class AccoSchedule:
             g.pack_grads(kind, clear_grads)
         tally = self.buffer_tally
         if clear_grads:
-            self.buffer_tally = Tally()
+            self._move(buffer_tally=Tally())
         step = self.step_index
         report = self.round_report() if exchanged is None else None
         ctx = self.context
@@ -353,7 +346,7 @@ class AccoSchedule:
                                   lambda: run_round(ctx, kind, step, tally, report, scale, exchanged, settings,
                                                     sync=sync, first_half_weight=first_half_weight),
                                   keep=settings)  # a tensor setting (cloned here) lives until the round is waited for
-        self._inflight = InFlight(handle, kind, step)
+        self._move(inflight=InFlight(handle, kind, step))
         if self.after_launch is not None:
             self.after_launch(kind)
 
@@ -363,8 +356,8 @@ class AccoSchedule:
         if inflight.result is None:
             t0 = time.perf_counter()
             with self.off_the_clock():
-                inflight.result = self.lane.wait(inflight.handle)
-            inflight.wait_s += time.perf_counter() - t0
+                result = self.lane.wait(inflight.handle)
+            inflight.note_wait(result, time.perf_counter() - t0)
             result = inflight.result
             result.wait_s = inflight.wait_s
             # The lane's clock covers the whole round as it ran on the lane.
@@ -374,19 +367,19 @@ class AccoSchedule:
             self.recent_rounds.append(result)
             for observe in self.round_observers:
                 observe(result)
-        if inflight.kind is RoundKind.COMMIT and not inflight.committed:
-            inflight.committed = True
-            self.committed_steps += 1
-            self.last_commit_grad_norm = inflight.result.grad_norm
+        if inflight.book_commit():
+            self._move(committed_steps=self.committed_steps + 1, last_commit_grad_norm=inflight.result.grad_norm)
             if self.on_commit is not None:
                 self.on_commit(inflight.result)  # may update the loss scaler
             self.sync_accumulated_loss_scale()
         return inflight.result
 
-    def _collect_into_live(self) -> float:
-        inflight = self._inflight
+    def _collect_into_live(self, advance_step: bool) -> float:
+        """Wait for the round in flight, its weights into the live ones, the step moved on if
+        ``advance_step``; the seconds this phase end waited for it."""
+        inflight = self.inflight
         waited_before = inflight.wait_s if inflight.wait_mark is None else inflight.wait_mark
         self.wait_for(inflight)
         self.committed.unpack(inflight)
-        self._inflight = None
+        self._move(inflight=None, step_index=self.step_index + advance_step)
         return inflight.wait_s - waited_before
