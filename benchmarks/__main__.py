@@ -10,6 +10,7 @@ import signal
 import sys
 
 from . import advisor, advisor_check, cluster, report, report_quality, report_sweep, runner
+from .ab_spec import DEFAULT_CONFIG
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> None:
@@ -25,7 +26,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, probe_only: bool = False) -> No
     p.add_argument("--n-embd", type=int, default=384)
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--config", default=runner.DEFAULT_CONFIG, help="base DeepSpeed config, a path or the name of a "
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="base DeepSpeed config, a path or the name of a "
                    "shipped one (python -m ds_acco configs); its acco block is replaced per variant (default: the "
                    "shipped zero1.json)")
     p.add_argument("--seed", type=int, default=0)

@@ -6,12 +6,10 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
+from .finetune_args import FinetuneArguments
 from .finetune_task import FIRST_WORD_ID, MASK_ID, PAD_ID, TOPICS, UNK_ID
-
-if TYPE_CHECKING:  # the run's arguments; this module only reads them
-    from .finetune import FinetuneArguments
 
 
 # -- the model and its pretraining ------------------------------------------------------------------

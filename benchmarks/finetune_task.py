@@ -3,11 +3,9 @@ the fixed held-out split and the dataset the Trainer reads."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
-if TYPE_CHECKING:  # the run's arguments; this module only reads them
-    from .finetune import FinetuneArguments
-
+from .finetune_args import FinetuneArguments
 
 
 # Topic -> standard-library modules whose docstrings make up its passages. Every module of

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from . import advisor, advisor_check
+from .ab_spec import ABSpec
 from .variants import VARIANTS, is_fsdp, mode_of
-
-if TYPE_CHECKING:  # the runner builds summaries; only the type comes from it
-    from .runner import ABSpec
 
 
 # -- bookkeeping (pure) ----------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The layering of the package: the core and the lane know neither DeepSpeed nor FSDP, and no two
 modules import each other, directly or through others (static, every import statement counted,
-function-level ones included; ``if TYPE_CHECKING:`` blocks excluded)."""
+function-level ones included; ``if TYPE_CHECKING:`` blocks excluded, then included). The lab
+(benchmarks/) and the scripts (scripts/) are held to the same: no import cycle, type hints included,
+and each file under 400 lines with a docstring naming its concern."""
 import ast
 import os
 import subprocess
@@ -15,19 +17,23 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "ds_acco"
 
 
-def _modules():
+def _modules(*tops: str):
     out = {}
-    for path in PKG.rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    for top in tops:
+        for path in (ROOT / top).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
     return out
 
 
-MODULES = _modules()
+MODULES = _modules("ds_acco")
+# The library, the lab and the scripts: what the cycle check of the lab and the scripts walks.
+EVERY_MODULE = _modules("ds_acco", "benchmarks", "scripts")
 
 
-def _imports(name: str, path: Path):
-    """(imported module name, line) of every import statement outside TYPE_CHECKING blocks."""
+def _imports(name: str, path: Path, modules=MODULES):
+    """(imported module name, line) of every import statement outside TYPE_CHECKING blocks; a name
+    imported from a package is the submodule when ``modules`` has one of that name."""
     tree = ast.parse(path.read_text())
     skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for n in ast.walk(node)}
@@ -41,7 +47,7 @@ def _imports(name: str, path: Path):
         elif isinstance(node, ast.ImportFrom):
             base = ".".join(package[: len(package) - node.level + 1] + [node.module] if node.module else
                             package[: len(package) - node.level + 1]) if node.level else node.module
-            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
             for s in subs:
                 yield s, node.lineno
             if len(subs) < len(node.names):
@@ -210,7 +216,7 @@ def test_the_private_reach_check_finds_one():
     assert private_reaches("m", mixin) == ["m:3 DrainAgreement reads self._inflight, which it does not own"]
 
 
-def _imports_with_type_hints(name: str, path: Path):
+def _imports_with_type_hints(name: str, path: Path, modules=MODULES):
     """Like :func:`_imports`, ``if TYPE_CHECKING:`` blocks included."""
     tree = ast.parse(path.read_text())
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
@@ -220,7 +226,7 @@ def _imports_with_type_hints(name: str, path: Path):
         elif isinstance(node, ast.ImportFrom):
             base = (".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
                     if node.level else node.module)
-            yield from (f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names)
+            yield from (f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
 
 
 def test_no_import_cycles_even_through_type_hints():
@@ -228,6 +234,27 @@ def test_no_import_cycles_even_through_type_hints():
     did in core/round/rounds.py, imported by core/round/buffers.py whose BufferGroup rounds.py names)."""
     graph = {m: {t for t in _imports_with_type_hints(m, p) if t in MODULES and t != m} for m, p in MODULES.items()}
     assert cycles(graph) == []
+
+
+def _type_hint_graph(modules):
+    return {m: {t for t in _imports_with_type_hints(m, p, modules) if t in modules and t != m}
+            for m, p in modules.items()}
+
+
+def test_no_import_cycles_in_the_lab_or_the_scripts():
+    """benchmarks/ and scripts/ as the library: every import counted (function-level ones, type
+    hints), so a name two modules share lives in a module both import (finetune's arguments, the
+    runner's ABSpec), not in one of them."""
+    outside = [c for c in cycles(_type_hint_graph(EVERY_MODULE)) if any(not m.startswith("ds_acco") for m in c)]
+    assert outside == []
+
+
+def test_the_lab_and_the_scripts_are_walked():
+    # The check above sees their modules and resolves their relative and absolute imports.
+    graph = _type_hint_graph(EVERY_MODULE)
+    assert "benchmarks.runner" in graph["benchmarks.__main__"] and "benchmarks.gpt" in graph["benchmarks.emulation"]
+    assert "scripts.gpu_check_parts.checks" in graph["scripts.gpu_check"]
+    assert "scripts.gpu_check_parts.checks" in graph["scripts.gpu_check_parts.trace"]
 
 
 @pytest.mark.parametrize("layer, below", [
@@ -394,3 +421,12 @@ def test_the_write_recorder_finds_a_write_from_another_part():
     exec(compile(source, str(PKG / "core" / "schedule" / "fake.py"), "exec"), namespace)
     namespace["poke"](Other(), Part())
     assert found == {"Other (poke) writes Part.count"}
+
+
+@pytest.mark.parametrize("name", sorted(set(EVERY_MODULE) - set(MODULES)))
+def test_each_lab_and_script_file_is_one_concern_under_400_lines(name):
+    """benchmarks/ and scripts/ held to the library's rule (scripts/gpu_check.py was 743 lines)."""
+    text = EVERY_MODULE[name].read_text()
+    docstring = ast.get_docstring(ast.parse(text))
+    assert docstring and docstring.splitlines()[0].strip(), f"{name}: no docstring naming its concern"
+    assert len(text.splitlines()) < 400, f"{name}: {len(text.splitlines())} lines"

@@ -1,6 +1,7 @@
-"""scripts/gpu_check.py without a GPU: its pure analyses (a profiler trace's overlap, the memory
-bound, where the race windows were widened), the list of checks in its docstring, and its CPU dry
-run, whose protocol part must pass as it is and fail under each wait of the lane removed."""
+"""scripts/gpu_check.py and its parts (scripts/gpu_check_parts/) without a GPU: their pure analyses
+(a profiler trace's overlap, the memory bound, where the race windows were widened), the list of
+checks in the script's docstring, and its CPU dry run, whose protocol part must pass as it is and
+fail under each wait of the lane removed."""
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import pytest
 from dist import run_ranks
 from ds_acco.testing.recording import Entry
 from scripts import gpu_check
+from scripts.gpu_check_parts import memory as memory_part, protocol as protocol_part, trace as trace_part
 from timeouts import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,10 +58,10 @@ class Trace:
         return self
 
     def micro_batch(self, ts, dur):
-        self.events.append({"ph": "X", "cat": "user_annotation", "name": gpu_check.MICRO_BATCH, "pid": 1,
+        self.events.append({"ph": "X", "cat": "user_annotation", "name": trace_part.MICRO_BATCH, "pid": 1,
                             "tid": MAIN, "ts": ts, "dur": dur, "args": {}})
         # torch.profiler also draws the label on the device's timeline: not a host span
-        self.events.append({"ph": "X", "cat": "gpu_user_annotation", "name": gpu_check.MICRO_BATCH, "pid": 0,
+        self.events.append({"ph": "X", "cat": "gpu_user_annotation", "name": trace_part.MICRO_BATCH, "pid": 0,
                             "tid": COMPUTE_STREAM, "ts": ts + 2000, "dur": dur, "args": {}})
         return self
 
@@ -79,8 +81,8 @@ def overlapped_trace():
 
 def verdict(trace, lane_tids=(LANE,)):
     checks = gpu_check.Checks()
-    analysis = gpu_check.analyse_trace({"traceEvents": trace.events}, lane_tids)
-    gpu_check.check_trace_analysis(checks, analysis)
+    analysis = trace_part.analyse_trace({"traceEvents": trace.events}, lane_tids)
+    trace_part.check_trace_analysis(checks, analysis)
     return {name: r["ok"] for name, r in checks.results.items()}, analysis
 
 
@@ -107,7 +109,7 @@ def test_a_round_mostly_outside_compute_fails_and_an_unoverlapped_nccl_kernel_fa
     assert verdict(t)[0]["trace.overlap"] is False
     t = overlapped_trace().op(LANE, NCCL_STREAM, 3000, 1000, "ncclDevKernel_AllReduce")  # after compute ended
     ok, analysis = verdict(t)
-    assert analysis["round_overlap"] < gpu_check.OVERLAP_MIN and ok["trace.overlap"] is False
+    assert analysis["round_overlap"] < trace_part.OVERLAP_MIN and ok["trace.overlap"] is False
 
 
 def test_a_round_op_on_the_compute_stream_fails():
@@ -126,7 +128,7 @@ def test_a_host_sync_of_the_compute_side_inside_a_micro_batch_fails():
 def test_a_host_sync_inside_the_models_own_forward_is_the_models():
     # transformers' GPT-2 reads a mask value on the host in its forward (seen on an H200, stock too)
     t = overlapped_trace()
-    t.events.append({"ph": "X", "cat": "user_annotation", "name": gpu_check.MODEL, "pid": 1, "tid": MAIN,
+    t.events.append({"ph": "X", "cat": "user_annotation", "name": trace_part.MODEL, "pid": 1, "tid": MAIN,
                      "ts": 20, "dur": 60, "args": {}})
     ok, analysis = verdict(t.call(MAIN, "cudaStreamSynchronize", 50))
     assert ok["trace.compute_syncs"] is True and analysis["model_syncs"] == ["cudaStreamSynchronize"]
@@ -143,32 +145,32 @@ def test_trace_ids_of_a_thread_cover_kinetos_and_cuptis():
     class Thread:
         native_id, ident = 123, 0x7F00_8000_0001
     signed = 0x8000_0001 - (1 << 32)
-    assert gpu_check.trace_tids(Thread) == {123, 0x8000_0001, signed, -signed}
+    assert trace_part.trace_tids(Thread) == {123, 0x8000_0001, signed, -signed}
 
 
 # -- the memory bound ---------------------------------------------------------------------------
 def test_memory_within_stock_plus_a_quarter_more_than_one_buffer_passes():
-    v = gpu_check.memory_verdict({"stock": [1000, 1010], "fixed": [2200], "dpu": [2250]}, 1000)
+    v = memory_part.memory_verdict({"stock": [1000, 1010], "fixed": [2200], "dpu": [2250]}, 1000)
     assert v["ok"] and v["bound"] == 2250
     assert v["variants"]["fixed"]["over_stock_in_buffers"] == pytest.approx(1.2)
 
 
 def test_memory_above_the_bound_fails():
-    v = gpu_check.memory_verdict({"stock": [1000], "fixed": [2251], "dpu": [1500]}, 1000)
+    v = memory_part.memory_verdict({"stock": [1000], "fixed": [2251], "dpu": [1500]}, 1000)
     assert not v["ok"] and not v["variants"]["fixed"]["ok"] and v["variants"]["dpu"]["ok"]
 
 
 def test_memory_bound_is_strict_on_both_sides():
     # the smaller stock run is the baseline, the larger ACCO run is judged
-    assert not gpu_check.memory_verdict({"stock": [1000, 1100], "fixed": [2300]}, 1000)["ok"]
-    assert not gpu_check.memory_verdict({"stock": [1000], "fixed": [2000, 2300]}, 1000)["ok"]
+    assert not memory_part.memory_verdict({"stock": [1000, 1100], "fixed": [2300]}, 1000)["ok"]
+    assert not memory_part.memory_verdict({"stock": [1000], "fixed": [2000, 2300]}, 1000)["ok"]
 
 
 @pytest.mark.parametrize("peaks,buffer", [({"stock": [1], "fixed": [2]}, 0), ({"fixed": [2]}, 1),
                                           ({"stock": [1]}, 1), ({"stock": [1], "fixed": []}, 1)])
 def test_memory_verdict_refuses_what_it_cannot_judge(peaks, buffer):
     with pytest.raises(ValueError):
-        gpu_check.memory_verdict(peaks, buffer)
+        memory_part.memory_verdict(peaks, buffer)
 
 
 # -- where the race windows are widened -----------------------------------------------------------
@@ -177,13 +179,13 @@ def lane(kind, what=""):
 
 
 def test_widening_counts_spins_and_the_reads_that_would_close_a_window():
-    log = [Entry("mark", "MainThread", what=gpu_check.PACK_SPIN), Entry("op", "MainThread", what="aten.copy_"),
-           lane("wait"), lane("read", "tolist"), lane("mark", gpu_check.ROUND_SPIN), lane("op"), lane("record"),
-           Entry("mark", "MainThread", what=gpu_check.PACK_SPIN),
-           lane("wait"), lane("mark", gpu_check.ROUND_SPIN), lane("read", "tolist"), lane("record"),
-           lane("wait"), lane("read", "tolist"), lane("mark", gpu_check.ROUND_SPIN), lane("record"),
+    log = [Entry("mark", "MainThread", what=protocol_part.PACK_SPIN), Entry("op", "MainThread", what="aten.copy_"),
+           lane("wait"), lane("read", "tolist"), lane("mark", protocol_part.ROUND_SPIN), lane("op"), lane("record"),
+           Entry("mark", "MainThread", what=protocol_part.PACK_SPIN),
+           lane("wait"), lane("mark", protocol_part.ROUND_SPIN), lane("read", "tolist"), lane("record"),
+           lane("wait"), lane("read", "tolist"), lane("mark", protocol_part.ROUND_SPIN), lane("record"),
            Entry("read", "MainThread", what="item")]
-    assert gpu_check.widening(log) == {"pack_spins": 2, "round_spins": 3, "reads_after_round_spin": 1}
+    assert protocol_part.widening(log) == {"pack_spins": 2, "round_spins": 3, "reads_after_round_spin": 1}
 
 
 # -- the CPU dry run --------------------------------------------------------------------------------
@@ -199,7 +201,7 @@ def test_the_dry_runs_protocol_part_passes(dry_runs):
     assert {name for name, r in results.items() if not r["ok"]} == set()
     assert set(results) == {name for name in gpu_check.CHECKS if name.startswith("protocol.")}
     spins = results["protocol.widened"]["measured"]["acco"]
-    assert spins["round_spins"] == spins["rounds"] == 2 * gpu_check.PROTOCOL_STEPS
+    assert spins["round_spins"] == spins["rounds"] == 2 * protocol_part.PROTOCOL_STEPS
 
 
 @pytest.mark.parametrize("mutation", gpu_check.MUTATIONS)
