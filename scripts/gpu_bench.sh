@@ -13,10 +13,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_env.sh
-if [[ "${1:-}" == "--prepare-wheels" ]]; then
-    prepare_gpu_wheels
-    exit 0
-fi
+gpu_prelude "$@"
 OUT=${1:-${OUT:-gpu_bench_out}}
-use_gpu_wheels
 exec timeout --kill-after=10 580 python3 scripts/gpu_bench.py --out "$OUT" "${@:2}"

@@ -14,12 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_env.sh
-if [[ "${1:-}" == "--prepare-wheels" ]]; then
-    prepare_gpu_wheels
-    exit 0
-fi
+gpu_prelude "$@"
 OUT=${1:-${OUT:-gpu_check_out}}
-use_gpu_wheels
 # 7:30 (GPU_CHECK_TIMEOUT_S: scripts/gpu_bench.sh gives it less), then SIGKILL 10 s later: the
 # script's own runtime.total check fails at 8:00, and the JSON keeps every part finished before a kill.
 exec timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-450}" python3 scripts/gpu_check.py --out "$OUT" "${@:2}"

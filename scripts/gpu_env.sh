@@ -2,6 +2,7 @@
 # machine without DeepSpeed needs, as wheels in .whl/.
 #   prepare_gpu_wheels   here, with network: pack deepspeed, hjson and pydantic's wheels into .whl/
 #   use_gpu_wheels       there: install them into /tmp/site (on PYTHONPATH) unless deepspeed imports
+#   gpu_prelude "$@"     a script's start: --prepare-wheels packs them and exits, anything else installs
 prepare_gpu_wheels() {
     mkdir -p .whl
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -18,4 +19,12 @@ use_gpu_wheels() {
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     export PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
+}
+
+gpu_prelude() {
+    if [[ "${1:-}" == "--prepare-wheels" ]]; then
+        prepare_gpu_wheels
+        exit 0
+    fi
+    use_gpu_wheels
 }
