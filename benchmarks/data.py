@@ -3,6 +3,8 @@
 * :func:`embedded_corpus` -- English-like text built at run time from the docstrings of a fixed
   list of standard-library modules (about half a megabyte; the same text on every run of a given
   Python version).
+* :func:`stdlib_source_corpus` -- the standard library's own ``.py`` source files (about 12 MB, on
+  every machine; for sequences too long for the embedded corpus to give many, e.g. 512 bytes).
 * :class:`ByteTokenizer` -- UTF-8 bytes as token ids 0..255.
 * :func:`load_text_dataset` -- the embedded corpus, or a local text / JSON / CSV / parquet file or
   a Hugging Face hub dataset through the ``datasets`` library (imported only then).
@@ -22,6 +24,8 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 
 EMBEDDED = "embedded"
+STDLIB_SOURCE = "stdlib-source"
+_SKIPPED_DIRS = ("__pycache__", "idle_test", "site-packages", "test", "tests")
 
 # Pure-Python or platform-independent modules only, so the text does not depend on the OS
 # (``os``, ``socket``, ``hashlib``... would). Sorted; never reorder it, or the corpus changes.
@@ -89,6 +93,24 @@ def embedded_corpus(modules: Tuple[str, ...] = STDLIB_MODULES) -> str:
     return "\n".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
+def stdlib_source_corpus() -> str:
+    """Every ``.py`` file of the running Python's standard library (``sysconfig``'s ``stdlib``
+    directory, walked in sorted order; test suites and site-packages left out), one document each.
+    Deterministic for a given Python version and installation."""
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    parts = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith("lib-dynload"))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(here, name), encoding="utf-8", errors="replace") as f:
+                parts.append(f.read())
+    if not parts:
+        raise FileNotFoundError(f"no standard-library source under {root!r} (a stripped installation?)")
+    return "\n\n".join(parts)
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ids 0..255, no special tokens, nothing to download."""
 
@@ -132,6 +154,7 @@ def load_text_dataset(source: Optional[str] = None, *, split: str = "train", tex
 
     ``source`` is one of:
       * ``None`` or ``"embedded"``: :func:`embedded_corpus` (no ``datasets``, no network);
+      * ``"stdlib-source"``: :func:`stdlib_source_corpus` (no ``datasets``, no network);
       * a local file (``.txt``/``.md``, ``.json``/``.jsonl``, ``.csv``, ``.parquet``) or a directory
         of files of one of these kinds, read with ``datasets.load_dataset`` (a text file is one
         document);
@@ -141,6 +164,8 @@ def load_text_dataset(source: Optional[str] = None, *, split: str = "train", tex
     """
     if source is None or source == EMBEDDED:
         return embedded_corpus()
+    if source == STDLIB_SOURCE:
+        return stdlib_source_corpus()
     try:
         import datasets
     except ImportError as exc:
@@ -214,5 +239,5 @@ def build_splits(source: Optional[str] = None, seq_len: int = 64, holdout: float
     return split_holdout(make_sequences(ids, seq_len), holdout, seed)
 
 
-__all__ = ["EMBEDDED", "STDLIB_MODULES", "ByteTokenizer", "build_splits", "embedded_corpus",
+__all__ = ["EMBEDDED", "STDLIB_MODULES", "STDLIB_SOURCE", "stdlib_source_corpus", "ByteTokenizer", "build_splits", "embedded_corpus",
                           "heldout_batches", "load_text_dataset", "make_sequences", "micro_batches", "split_holdout"]

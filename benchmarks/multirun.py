@@ -16,6 +16,7 @@ A run's variant (per-run tensors, so every run of a group advances in the same k
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -71,12 +72,15 @@ class Setting:
     cos_min_ratio: float = 0.1
     eval_every: int = 50
     eval_batches: int = 8  # per rank, of 16 sequences
+    corpus: str = "embedded"  # benchmarks.data.load_text_dataset's source ("stdlib-source": 12 MB)
+    bf16: bool = False  # forward and backward under bf16 autocast; weights, gradients, AdamW in fp32
 
 
 class Stack:
     """R GPT-2s (transformers' GPT2LMHeadModel layout, benchmarks.gpt.CausalLM) as stacked tensors."""
 
     NAMES = None
+    autocast = contextlib.nullcontext  # run_group's Setting.bf16: torch.autocast to bf16
 
     def __init__(self, models: List[torch.nn.Module], device):
         named = [dict(m.named_parameters()) for m in models]
@@ -124,7 +128,8 @@ class Stack:
     def grads_at(self, point: Dict[str, torch.Tensor], rows: torch.Tensor):
         """Per-run mean gradient at ``point`` (stacked values), and the per-run losses."""
         leaves = {n: t.detach().requires_grad_(True) for n, t in point.items()}
-        losses = self.loss(leaves, rows)
+        with self.autocast():
+            losses = self.loss(leaves, rows).float()
         gs = torch.autograd.grad(losses.sum(), [leaves[n] for n in self.names])
         return dict(zip(self.names, gs)), losses.detach()
 
@@ -152,9 +157,9 @@ def lr_schedule(s: Setting) -> List[float]:
 
 
 @functools.lru_cache(maxsize=2)
-def _splits(seq_len: int):
+def _splits(seq_len: int, corpus: str = "embedded"):
     from benchmarks.data import build_splits
-    return build_splits("embedded", seq_len=seq_len, holdout=0.02, seed=0)
+    return build_splits(corpus, seq_len=seq_len, holdout=0.02, seed=0)
 
 
 def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> List[dict]:
@@ -166,13 +171,15 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
     R = len(runs)
     variants = [VARIANTS[v] for v, _ in runs]
     seeds = [seed for _, seed in runs]
-    train_rows, held = _splits(s.seq_len)
+    train_rows, held = _splits(s.seq_len, s.corpus)
     models = []
     for seed in seeds:
         torch.manual_seed(seed)  # benchmarks.variants.build_model: same initial weights per seed
         models.append(CausalLM(s.seq_len, s.n_embd, s.n_layer, s.n_head))
     st = Stack(models, dev)
     del models
+    if s.bf16:  # DeepSpeed's bf16 as the recurrence sees it: bf16 compute, fp32 master weights
+        st.autocast = functools.partial(torch.autocast, dev.type, dtype=torch.bfloat16)
     names = st.names
     decay = {n: st.p[n].dim() >= 3 for n in names}  # benchmarks.gpt.param_groups: matrices only
     # data: per seed, each rank's stream (benchmarks.data.micro_batches), gas micro-batches per step
@@ -212,8 +219,8 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
         return torch.clamp((norm + 1e-6) / s.clip, min=1.0)
 
     def evaluate(step):
-        with torch.no_grad():
-            losses = st.loss(theta, evals.unsqueeze(0).expand(R, -1, -1))
+        with torch.no_grad(), st.autocast():
+            losses = st.loss(theta, evals.unsqueeze(0).expand(R, -1, -1)).float()
         heldout.append((step, losses.cpu()))
 
     for t in range(s.steps):

@@ -13,22 +13,9 @@
 # the docstring of scripts/gpu_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [[ "${1:-}" == "--prepare-wheels" ]]; then
-    mkdir -p .whl
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-    python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8 hjson==3.1.0
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-        pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-    ls .whl
-    exit 0
-fi
+. scripts/gpu_env.sh
+gpu_prelude "$@"
 OUT=${1:-${OUT:-gpu_check_out}}
-if ! python3 -c "import deepspeed, pydantic" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
-# 7:30, then SIGKILL 10 s later: the script's own runtime.total check fails at 8:00, and the JSON
-# keeps every part finished before a kill.
-exec timeout --kill-after=10 450 python3 scripts/gpu_check.py --out "$OUT" "${@:2}"
+# 7:30 (GPU_CHECK_TIMEOUT_S: scripts/gpu_bench.sh gives it less), then SIGKILL 10 s later: the
+# script's own runtime.total check fails at 8:00, and the JSON keeps every part finished before a kill.
+exec timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-450}" python3 scripts/gpu_check.py --out "$OUT" "${@:2}"
