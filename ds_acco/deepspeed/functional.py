@@ -16,15 +16,16 @@ from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
 from deepspeed.ops.adam.fused_adam import FusedAdam
 
 from ..core.step import functional_step
-from ..core.step.functional_kernels import _chunks, _state_flat, _target, _Workspace
-from ..core.step.functional_step import _GROUP_PARAMS, _is_float, plain_tensors
+from ..core.step.chunking import local
+from ..core.step.functional_kernels import Workspace, chunk_ranges, flat_view
+from ..core.step.functional_step import GROUP_PARAMS, is_number, plain_tensors
 
 FUSED_ADAM_DEVICES = ("cuda",)  # FusedAdam's op is CUDA-only (a test runs its emulation on CPU)
 
 
 def _adam_groups_ok(optimizer) -> bool:
-    return all(not g.get("amsgrad", False) and all(_is_float(g[k]) for k in ("lr", "eps", "weight_decay"))
-               and all(_is_float(b) for b in g["betas"]) for g in optimizer.param_groups)
+    return all(not g.get("amsgrad", False) and all(is_number(g[k]) for k in ("lr", "eps", "weight_decay"))
+               and all(is_number(b) for b in g["betas"]) for g in optimizer.param_groups)
 
 
 class _CpuAdamEstimate:
@@ -34,7 +35,7 @@ class _CpuAdamEstimate:
         return (_adam_groups_ok(optimizer) and getattr(optimizer, "fp32_optimizer_states", True)
                 and plain_tensors(optimizer, (torch.float32,), "cpu") and _cpu_adam_simd_width() > 0)
 
-    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: _Workspace) -> None:
+    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: Workspace) -> None:
         steps = _shared_steps(optimizer, "cpu_adam", items, groups)
         for (p, pl, g, ol, group), step in zip(items, steps):
             _cpu_adam(pl, g, ol, group, optimizer.state.get(p) or {}, step, optimizer.adam_w_mode, ws)
@@ -47,7 +48,7 @@ class _FusedAdamEstimate:
         return _adam_groups_ok(optimizer) and all(plain_tensors(optimizer, (torch.float32,), d)
                                                   for d in FUSED_ADAM_DEVICES)
 
-    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: _Workspace) -> None:
+    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: Workspace) -> None:
         steps = _shared_steps(optimizer, "fused_adam", items, groups)
         for (p, pl, g, ol, group), step in zip(items, steps):
             _fused_adam(pl, g, ol, group, optimizer.state.get(p) or {}, step, optimizer.adam_w_mode, ws)
@@ -102,7 +103,7 @@ def _shared_steps(optimizer, kind: str, items, groups=None) -> List:
         by_id = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
         out: List = [None] * len(items)
         for group in groups:  # step()'s order of IncrementStep calls
-            for p in group[_GROUP_PARAMS]:
+            for p in group[GROUP_PARAMS]:
                 i = by_id.get(id(p))
                 if i is None:
                     continue
@@ -115,7 +116,7 @@ def _shared_steps(optimizer, kind: str, items, groups=None) -> List:
         out = [None] * len(items)
         with_grad = {id(p): i for i, (p, _, g, _, _) in enumerate(items) if g is not None}
         for group in groups:
-            mine = [p for p in group[_GROUP_PARAMS] if id(p) in with_grad]
+            mine = [p for p in group[GROUP_PARAMS] if id(p) in with_grad]
             if not mine:
                 continue
             last = optimizer.state.get(mine[-1]) or {}
@@ -153,7 +154,7 @@ def _cpu_adam(p, g, out, group, state, step_info, adamw, ws):
     # last numel % W go through Step_1's scalar loop, where the compiler contracts the moment
     # updates the other way round: m = fma(m, β1, g·(1-β1)) instead of fma(g, 1-β1, m·β1).
     simd_end = p.numel() - p.numel() % _cpu_adam_simd_width()
-    ranges = [(s, n, False) for s, n in _chunks(simd_end, ws.chunk)]
+    ranges = [(s, n, False) for s, n in chunk_ranges(simd_end, ws.chunk)]
     if simd_end < p.numel():
         ranges.append((simd_end, p.numel() - simd_end, True))
     for s, n, scalar_tail in ranges:
@@ -199,6 +200,15 @@ _SIMD_WIDTHS = {"-D__AVX512__": 16, "-D__AVX256__": 8}
 _cpu_adam_width: Optional[int] = None
 
 
+def _state_flat(state: dict, key: str) -> Optional[torch.Tensor]:
+    t = state.get(key)
+    return None if t is None else flat_view(local(t), f"state '{key}'")
+
+
+def _target(out: torch.Tensor, like: torch.Tensor, ws: Workspace, slot: int, n: int) -> torch.Tensor:
+    """Where a chunk of the result is computed: the output itself when it has the working dtype."""
+    return out if out.dtype == like.dtype else ws.get(slot, like, n)
+
 def _cpu_adam_simd_width() -> int:
     """Floats per SIMD vector of the cpu_adam op (as DeepSpeed's builder chooses it); 0 when the
     op was built for a kernel this module does not reproduce (scalar, SVE, NEON)."""
@@ -222,7 +232,7 @@ def _fused_adam(p, g, out, group, state, step, adam_w_mode, ws):
         bc1 = bc2 = 1.0
     one_minus_b1, one_minus_b2 = _f32(1 - beta1), _f32(1 - beta2)
     exp_avg, exp_avg_sq = _state_flat(state, "exp_avg"), _state_flat(state, "exp_avg_sq")
-    for s, n in _chunks(p.numel(), ws.chunk):
+    for s, n in chunk_ranges(p.numel(), ws.chunk):
         pc, gc, oc = p.narrow(0, s, n), g.narrow(0, s, n), out.narrow(0, s, n)
         gb, mb, vb = ws.get(0, p, n), ws.get(1, p, n), ws.get(2, p, n)
         tgt = _target(oc, p, ws, 3, n)

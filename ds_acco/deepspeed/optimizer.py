@@ -20,12 +20,11 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from ..config import AccoConfig
 from ..core.checks.refusals import check_estimate_dtype
 from ..core.driver import AccoDriver
-from ..core.round.buffers import FlatBuffers
+from ..core.round.buffers import FlatBuffers, estimate_comm_dtype
 from . import functional  # noqa: F401 -- registers DeepSpeed's Adams' functional estimates with the core
 from .host import DeepSpeedHost
 
 ACCO_STATE_KEY = "acco_state"
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _stream_accelerator(device: torch.device):
@@ -87,7 +86,7 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
 
         world = dist.get_world_size(group=self.dp_process_group)
         rank = dist.get_rank(group=self.dp_process_group)
-        estimate_dtype = _DTYPES[acco_config.estimate_comm_dtype] if acco_config.estimate_comm_dtype else None
+        estimate_dtype = estimate_comm_dtype(acco_config.estimate_comm_dtype)
         check_estimate_dtype("estimate_dtype_deepspeed", acco_config.estimate_comm_dtype, estimate_dtype, comm_dtype)
         groups = []
         for i, live in enumerate(self.bit16_groups_flat):

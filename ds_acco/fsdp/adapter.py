@@ -34,6 +34,7 @@ from ..config import acco_config_of
 from ..config_deepspeed import load_ds_config
 from ..core.checks.refusals import check_fsdp_model, check_lockstep, check_schedule_compat, refuse
 from ..core.driver import AccoDriver, check_same_on_all_ranks
+from ..core.round.buffers import estimate_comm_dtype
 from ..core.round.rounds import RoundResult
 from ..core.schedule.machine import AccoSchedule
 from ..weights import ExportHooks
@@ -41,7 +42,6 @@ from . import _torch_internals as fsdp_internals
 from .buffers import FSDPBuffers, FSDPShardedBuffers
 from .host import FSDPHost
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _RESET_REFUSED = (
     "FSDP is about to reset its sharded parameters (model.to(), .float() or model.load_state_dict() was called while "
     "AccoFSDP(sharded_params=True) is active): it would re-point the all-gather ACCO directs between the committed "
@@ -167,7 +167,7 @@ class AccoFSDP:
         if not params:
             raise ValueError("the model has no trainable FSDP parameters; fix: apply fully_shard to modules "
                              "with parameters that require grad")
-        estimate_dtype = _DTYPES[acco.estimate_comm_dtype] if acco.estimate_comm_dtype else None
+        estimate_dtype = estimate_comm_dtype(acco.estimate_comm_dtype)
         check_fsdp_model(one_mesh=all(p.mesh == params[0].mesh for p in params),
                          reduce_dtypes=[p.reduce_dtype for p in params], param_dtypes=[p.param_dtype for p in params],
                          loss_scaling=self.loss_scaler is not None, estimate_comm_dtype=acco.estimate_comm_dtype,

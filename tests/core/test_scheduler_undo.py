@@ -251,7 +251,7 @@ def test_a_step_the_caller_takes_for_the_commit_in_flight_is_undone_with_it():
     with no commit in flight, only taken."""
     opt = _optimizer()
     sched = SCHEDULERS["sequential"](opt)
-    lr = LRBookkeeping(None, lambda: None, lambda: opt)  # the engine owns no scheduler
+    lr = LRBookkeeping(lambda: pytest.fail("no scheduler to step"), lambda: None, lambda: opt)  # the engine owns none
     lr.caller_step(sched, sched.step)  # before any commit
     used = []
     for t in range(STEPS):

@@ -430,3 +430,42 @@ def test_each_lab_and_script_file_is_one_concern_under_400_lines(name):
     docstring = ast.get_docstring(ast.parse(text))
     assert docstring and docstring.splitlines()[0].strip(), f"{name}: no docstring naming its concern"
     assert len(text.splitlines()) < 400, f"{name}: {len(text.splitlines())} lines"
+
+
+# Private names stay in their module (issue 41): what two modules share is public where it is owned.
+def private_imports(name: str, source: str, package: list) -> list:
+    """Every ``from X import _name`` in module ``name`` (dunders excepted): a private name imported
+    from another module. A package's private submodule imported by a module of that package
+    (``from . import _routing`` in ds_acco/install.py) is the package's own and stays allowed."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = (".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level else node.module)
+        for a in node.names:
+            own_submodule = f"{base}.{a.name}" in MODULES and base == ".".join(package)
+            if _private(a.name) and not own_submodule:
+                found.append(f"{name}:{node.lineno} imports {base}.{a.name}")
+    return found
+
+
+def _package_of(name: str, path: Path) -> list:
+    return name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = [f for m, p in MODULES.items() for f in private_imports(m, p.read_text(), _package_of(m, p))]
+    assert found == []
+
+
+def test_the_private_import_check_finds_one():
+    source = ("from .functional_step import _GROUP_PARAMS, step_groups\n"
+              "from . import chunking, _private_part\n"
+              "from ..x import __version__\n"
+              "from torch.optim import optimizer as _torch_optimizer\n"
+              "from ds_acco.core.step import _kernels\n")
+    package = ["ds_acco", "core", "step"]
+    assert [f.split(" ", 1)[1] for f in private_imports("m", source, package)] == [
+        "imports ds_acco.core.step.functional_step._GROUP_PARAMS", "imports ds_acco.core.step._private_part",
+        "imports ds_acco.core.step._kernels"]

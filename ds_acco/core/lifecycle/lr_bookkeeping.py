@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,10 @@ class LRBookkeeping:
     is launched: every round still uses stock's settings, but the learning rate read right after
     ``step()`` lags one phase (one warning says so)."""
 
-    def __init__(self, step: Optional[Callable[[], Any]], scheduler: Callable[[], Any],
+    def __init__(self, step: Callable[[], Any], scheduler: Callable[[], Any],
                  optimizer: Callable[[], torch.optim.Optimizer]):
+        """``step`` steps the scheduler that ``scheduler()`` returns, or None when there is none
+        (then ``step`` is never called): the host's ``step_lr_scheduler`` and ``lr_scheduler``."""
         self._step, self._scheduler, self._optimizer = step, scheduler, optimizer
         self._owed = False  # a launched commit's scheduler step not yet taken
         self._commit_in_flight = False  # a commit launched and not yet collected
@@ -57,7 +59,7 @@ class LRBookkeeping:
         # stepped before the first commit is launched still warns, as in stock.
         self._optimizer()._opt_called = True
         self._commit_in_flight, self._undos, self._collected_skipped = True, [], False
-        scheduler = self._scheduler() if self._step is not None else None
+        scheduler = self._scheduler()
         if scheduler is None:
             return
         self._owed, self._deferred = True, False

@@ -27,6 +27,16 @@ from .kinds import RoundKind
 
 _SWAP_CHUNK = 1 << 20
 
+ESTIMATE_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes ``acco.estimate_comm_dtype`` names: what an estimate round reduces gradients in
+(:attr:`BufferGroup.estimate_dtype`)."""
+
+
+def estimate_comm_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """The :attr:`BufferGroup.estimate_dtype` that ``acco.estimate_comm_dtype = name`` asks for
+    (None when it is not set: estimate rounds reduce in ``comm_dtype``)."""
+    return ESTIMATE_COMM_DTYPES[name] if name else None
+
 
 def view_as(storage: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """The first ``numel`` elements of a uint8 buffer, as ``dtype``."""

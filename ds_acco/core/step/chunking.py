@@ -70,6 +70,12 @@ class Piece(NamedTuple):
     at: int  # its first element in the window (where its workspace lies)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``, the tensor a round walks through: an FSDP2 DTensor's local shard
+    (``to_local()``), any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def windows(numels: Sequence[int], chunk: int) -> Iterator[List[Piece]]:
     """Consecutive windows of at most ``chunk`` elements over the tensors (sizes ``numels``) laid
     end to end, in order: each window is the pieces it holds. A tensor is split only at multiples

@@ -41,13 +41,10 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import chunking
-from .functional_step import _read_scalars, step_groups
+from .chunking import local
+from .functional_step import read_scalars, step_groups
 
 logger = logging.getLogger("ds_acco")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class DelayCompensation:
@@ -97,9 +94,9 @@ class DelayCompensation:
             v, step = state.get("exp_avg_sq"), state.get("step")
             if v is None or step is None or d.numel() == 0:
                 continue  # no committed second moment yet: no term (before the first commit)
-            items.append((_local(v).reshape(-1), g, d, group_of[id(p)]))
+            items.append((local(v).reshape(-1), g, d, group_of[id(p)]))
             steps.append(step)
-        counts = iter(_read_scalars([s for s in steps if torch.is_tensor(s)]))
+        counts = iter(read_scalars([s for s in steps if torch.is_tensor(s)]))
         steps = [next(counts) if torch.is_tensor(s) else float(s) for s in steps]
         kept = [(it, s) for it, s in zip(items, steps) if s >= 1]
         if not kept:

@@ -17,8 +17,9 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 
 from . import chunking
-from .functional_kernels import StepItem, _flat, _local, adam, fused_adam_step, run_windows, sgd
-from .functional_step import _GROUP_PARAMS, _kind, _overlaps, _read_scalars, step_groups, supports
+from .chunking import local
+from .functional_kernels import StepItem, adam, flat_view, fused_adam_step, run_windows, sgd
+from .functional_step import GROUP_PARAMS, optimizer_kind, overlaps, read_scalars, step_groups, supports
 
 
 def step_overridden(optimizer) -> bool:
@@ -36,7 +37,7 @@ def supports_commit(optimizer) -> bool:
     the conditions of :func:`supports`, no step pre/post hooks (global or the optimizer's: they
     expect the real step), ``step`` not overridden on the instance, and every Adam ``step`` state
     a tensor (as ``load_state_dict`` and ``_init_group`` make it)."""
-    kind = _kind(optimizer)
+    kind = optimizer_kind(optimizer)
     if kind not in ("sgd", "adam") or not supports(optimizer) or step_overridden(optimizer):
         return False
     if (_torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks
@@ -70,24 +71,24 @@ def commit_in_place(optimizer, params: Sequence[torch.Tensor], grads: Sequence[O
     contiguous; a gradient must not overlap its parameter or the state (it is read while they are
     written).
     """
-    kind = _kind(optimizer)
+    kind = optimizer_kind(optimizer)
     if not supports_commit(optimizer):
         raise ValueError(f"no functional commit for {type(optimizer).__name__} with these settings; "
                          "check supports_commit() first")
     if len(params) != len(grads):
         raise ValueError("params and grads must have the same length")
     grad_of = {id(p): g for p, g in zip(params, grads)}
-    owned = {id(p) for group in optimizer.param_groups for p in group[_GROUP_PARAMS]}
+    owned = {id(p) for group in optimizer.param_groups for p in group[GROUP_PARAMS]}
     if not set(grad_of) <= owned:
         raise ValueError("every parameter must belong to the optimizer")
     with torch.no_grad():
         items, steps = [], []
         for index, group in enumerate(step_groups(optimizer, settings, lr_scale)):
-            for p in group[_GROUP_PARAMS]:  # step()'s order (state entries are created in it)
+            for p in group[GROUP_PARAMS]:  # step()'s order (state entries are created in it)
                 g = grad_of.get(id(p))
                 if g is None:
                     continue
-                pl, gl = _flat(_local(p), "parameter"), _flat(_local(g), "gradient")
+                pl, gl = flat_view(local(p), "parameter"), flat_view(local(g), "gradient")
                 if gl.numel() != pl.numel() or gl.dtype != pl.dtype:
                     raise ValueError("a gradient must match its parameter's numel and dtype")
                 fresh = False
@@ -124,7 +125,7 @@ def _commit_adam(items: List[StepItem], steps: List[torch.Tensor], chunk_elems: 
                         column("exp_avg_sq"), column("max_exp_avg_sq") if amsgrad else [],
                         [step for _, step in members])
     if plain:
-        for (it, _), value in zip(plain, _read_scalars([step for _, step in plain])):
+        for (it, _), value in zip(plain, read_scalars([step for _, step in plain])):
             it.step = value  # the step's ``_get_value(step_t)``
         run_windows([it for it, _ in plain], _chunk_for([it for it, _ in plain], chunk_elems),
                     lambda b: adam(b, commit=True), commit=True)
@@ -168,6 +169,6 @@ def _adam_state(optimizer, p, group):
 
 
 def _check_no_overlap(g: torch.Tensor, p: torch.Tensor, state: dict) -> None:
-    for t in [p] + [_local(v) for v in state.values() if torch.is_tensor(v)]:
-        if _overlaps(g, t):
+    for t in [p] + [local(v) for v in state.values() if torch.is_tensor(v)]:
+        if overlaps(g, t):
             raise ValueError("a gradient must not overlap its parameter or the optimizer state")

@@ -12,7 +12,7 @@ single-tensor op on each piece; on accelerators they are the kernels torch's for
 Either way the result is bit-identical to torch's step (its single-tensor and foreach variants
 compute the same ops in the same order).
 
-The per-tensor helpers at the end (``_chunks``, ``_state_flat``, ``_target``, ``_Workspace.get``)
+The per-tensor helpers at the end (:func:`chunk_ranges`, :func:`copy_chunked`, :meth:`Workspace.get`)
 serve DeepSpeed's Adams (:mod:`ds_acco.deepspeed.functional`), which stay per chunk: their emulation
 needs float64 FMAs and a per-tensor SIMD tail, and DeepSpeed's masters are one flat tensor per
 param group, so their kernel count does not grow with the number of parameters anyway.
@@ -23,14 +23,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .chunking import Piece, pieces_of, window_size, windows
+from .chunking import Piece, local, pieces_of, window_size, windows
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+def flat_view(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t`` as a flat tensor outside autograd (a flat one that needs no grad as it is: views are
     no kernels, but hundreds of them per round cost the lane's thread time)."""
     if not t.is_contiguous():
@@ -40,7 +36,7 @@ def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.detach().view(-1)
 
 
-class _Workspace:
+class Workspace:
     """Chunk-sized scratch buffers, allocated on first use and reused for every window (or chunk).
     ``total``: the elements the call walks through (buffers are never larger)."""
 
@@ -79,7 +75,7 @@ class StepItem:
     def __init__(self, param: torch.Tensor, grad: Optional[torch.Tensor], out: torch.Tensor, group: dict,
                  group_index: int, state: dict, fresh: bool = False):
         self.param, self.grad, self.out, self.group, self.fresh = param, grad, out, group, fresh
-        self.state = {k: _flat(_local(v), f"state '{k}'") for k, v in state.items()
+        self.state = {k: flat_view(local(v), f"state '{k}'") for k, v in state.items()
                       if torch.is_tensor(v) and k != "step"}
         self.step: Optional[float] = None
         # pieces that share a key run as one batch: same settings, state layout and dtypes
@@ -94,7 +90,7 @@ class _Batch:
     """The pieces of one window that share a key (param group, state layout, dtypes): lists of
     views, one per piece, for the foreach ops."""
 
-    def __init__(self, items: Sequence[StepItem], window: Sequence[Piece], ws: _Workspace):
+    def __init__(self, items: Sequence[StepItem], window: Sequence[Piece], ws: Workspace):
         self.window = [Piece(i, p.start, p.n, p.at) for i, p in enumerate(window)]
         self.items = [items[p.index] for p in window]
         first = self.items[0]
@@ -129,7 +125,7 @@ def run_windows(items: Sequence[StepItem], chunk: int, kernel, commit: bool) -> 
     pieces holding θ̃ (a parameter without a gradient keeps θ); once every batch of the window has
     read its gradients, θ̃ not already in the outputs is copied there (an output may lie over
     gradients of the same window: θ̃ written over the reduced gradients in B)."""
-    ws = _Workspace(chunk, sum(it.numel for it in items))
+    ws = Workspace(chunk, sum(it.numel for it in items))
     for window in windows([it.numel for it in items], chunk):
         batches: Dict[tuple, List[Piece]] = {}
         for p in window:
@@ -313,21 +309,14 @@ def fused_adam_step(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_a
 
 
 # -- per-tensor chunks, for DeepSpeed's Adams (ds_acco/deepspeed/functional.py) ---------------
-def _chunks(n: int, chunk: int):
+def chunk_ranges(n: int, chunk: int):
+    """``(start, length)`` of each chunk of ``n`` elements, in order (the last one may be shorter)."""
     for s in range(0, n, chunk):
         yield s, min(chunk, n - s)
 
 
-def _copy_chunked(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> None:
-    for s, n in _chunks(src.numel(), chunk):
+def copy_chunked(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> None:
+    """``dst ← src`` (flat), one chunk at a time."""
+    for s, n in chunk_ranges(src.numel(), chunk):
         dst.narrow(0, s, n).copy_(src.narrow(0, s, n))
 
-
-def _state_flat(state: dict, key: str) -> Optional[torch.Tensor]:
-    t = state.get(key)
-    return None if t is None else _flat(_local(t), f"state '{key}'")
-
-
-def _target(out: torch.Tensor, like: torch.Tensor, ws: _Workspace, slot: int, n: int) -> torch.Tensor:
-    """Where a chunk of the result is computed: the output itself when it has the working dtype."""
-    return out if out.dtype == like.dtype else ws.get(slot, like, n)

@@ -41,7 +41,8 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 
 from . import chunking
-from .functional_kernels import (COMMITTED_SECOND_MOMENT, StepItem, _copy_chunked, _flat, _local, _Workspace, adam,
+from .chunking import local
+from .functional_kernels import (COMMITTED_SECOND_MOMENT, StepItem, Workspace, adam, copy_chunked, flat_view,
                                  fused_adam_estimate, run_windows, sgd)
 
 WORKSPACE_BUFFERS = 4
@@ -50,7 +51,8 @@ uses up to 3, Adam/AdamW and FusedAdam up to 4, one fewer when the output has th
 dtype (the result is then computed in the output itself), fused Adam/AdamW 3 (4 with amsgrad).
 DeepSpeedCPUAdam's emulation adds one float64 chunk buffer (its FMAs)."""
 
-_GROUP_PARAMS = "params"
+GROUP_PARAMS = "params"
+"""The key of a param group that holds its parameters (torch's); every other key is a setting."""
 
 
 class ExternalEstimate(Protocol):
@@ -60,7 +62,7 @@ class ExternalEstimate(Protocol):
     def supports(self, optimizer) -> bool:
         """Whether :meth:`estimate` reproduces this optimizer's step with its current settings."""
 
-    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: _Workspace) -> None:
+    def estimate(self, optimizer, items: Sequence[tuple], groups: Sequence[dict], ws: Workspace) -> None:
         """``ol ← Opt(θ, S, g)`` for each ``(param, flat param, flat grad, flat out, group)`` of ``items``
         (``groups``: the param groups as the step reads them, :func:`step_groups`), chunk by chunk
         through ``ws``; parameters and state are only read."""
@@ -76,7 +78,9 @@ def register_estimate(cls: type, estimate: ExternalEstimate) -> None:
 
 
 # -- which optimizers ------------------------------------------------------------------------
-def _kind(optimizer) -> Optional[str]:
+def optimizer_kind(optimizer) -> Optional[str]:
+    """Which functional step fits ``optimizer``: "sgd", "adam" (torch Adam / AdamW), "external" (an
+    adapter's, :func:`register_estimate`), or None."""
     cls = type(optimizer)  # exact types only: a subclass may change step()
     if cls is torch.optim.SGD:
         return "sgd"
@@ -87,14 +91,15 @@ def _kind(optimizer) -> Optional[str]:
     return None
 
 
-def _is_float(x) -> bool:
+def is_number(x) -> bool:
+    """Whether a setting is a plain real number (an int or a float, not a bool, not a tensor)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def scalable_lr(lr) -> bool:
     """Whether a round's step can take ``lr`` × a factor: a number or a floating-point tensor (the
     one test of the lane's :func:`step_groups` and of the refusal at initialize)."""
-    return _is_float(lr) or (torch.is_tensor(lr) and lr.is_floating_point())
+    return is_number(lr) or (torch.is_tensor(lr) and lr.is_floating_point())
 
 
 def registered(optimizer) -> bool:
@@ -105,8 +110,8 @@ def registered(optimizer) -> bool:
 def plain_tensors(optimizer, dtypes=None, device_type=None) -> bool:
     """Every parameter is a dense real floating tensor (of ``dtypes``, on ``device_type`` if given)."""
     for g in optimizer.param_groups:
-        for p in g[_GROUP_PARAMS]:
-            t = _local(p)
+        for p in g[GROUP_PARAMS]:
+            t = local(p)
             if t.is_sparse or t.is_complex() or not t.is_floating_point():
                 return False
             if dtypes is not None and t.dtype not in dtypes:
@@ -119,17 +124,17 @@ def plain_tensors(optimizer, dtypes=None, device_type=None) -> bool:
 def _torch_group_ok(group, kind: str) -> bool:
     if group.get("differentiable") or group.get("capturable") or (group.get("fused") and kind != "adam"):
         return False
-    if not _is_float(group["lr"]) or not _is_float(group.get("weight_decay", 0)):
+    if not is_number(group["lr"]) or not is_number(group.get("weight_decay", 0)):
         return False
     if kind == "sgd":
-        return all(_is_float(group[k]) for k in ("momentum", "dampening"))
+        return all(is_number(group[k]) for k in ("momentum", "dampening"))
     b1, b2 = group["betas"]
-    return _is_float(b1) and _is_float(b2) and _is_float(group["eps"])
+    return is_number(b1) and is_number(b2) and is_number(group["eps"])
 
 
 def supports(optimizer) -> bool:
     """Whether :func:`estimate_into` reproduces ``optimizer.step()`` for this optimizer."""
-    kind = _kind(optimizer)
+    kind = optimizer_kind(optimizer)
     if kind is None:
         return False
     if kind in ("sgd", "adam"):
@@ -159,7 +164,7 @@ def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Opt
     gradient shard inside the communication buffer: each chunk of it is read before its result
     is written), but must not overlap anything else the step reads.
     """
-    kind = _kind(optimizer)
+    kind = optimizer_kind(optimizer)
     if kind is None or not supports(optimizer):
         raise ValueError(f"no functional step for {type(optimizer).__name__} with these settings; "
                          "check supports() first")
@@ -176,7 +181,7 @@ def estimate_into(optimizer, params: Sequence[torch.Tensor], grads: Sequence[Opt
 def supports_committed_second_moment(optimizer) -> bool:
     """Whether the estimate can reuse the committed second moment: torch Adam / AdamW with a
     functional step (:func:`supports`)."""
-    return _kind(optimizer) == "adam" and supports(optimizer)
+    return optimizer_kind(optimizer) == "adam" and supports(optimizer)
 
 
 def capture_settings(optimizer) -> List[dict]:
@@ -184,7 +189,7 @@ def capture_settings(optimizer) -> List[dict]:
     compute lane when a round is launched: the round's step uses them, so a scheduler the caller
     steps while the round runs (Accelerate and HF Trainer step theirs after each optimizer step,
     on the compute thread) cannot change which learning rate that round's step takes."""
-    return [{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != _GROUP_PARAMS}
+    return [{k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != GROUP_PARAMS}
             for g in optimizer.param_groups]
 
 
@@ -218,17 +223,17 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1
         for view in groups:
             view[COMMITTED_SECOND_MOMENT] = True
             view["fused"] = False
-    group_of = {id(p): (i, g) for i, g in enumerate(groups) for p in g[_GROUP_PARAMS]}
+    group_of = {id(p): (i, g) for i, g in enumerate(groups) for p in g[GROUP_PARAMS]}
     items = []
     for p, g, o in zip(params, grads, outs):
         found = group_of.get(id(p))
         if found is None:
             raise ValueError("every parameter must belong to the optimizer")
-        pl, ol = _flat(_local(p), "parameter"), _flat(_local(o), "output")
+        pl, ol = flat_view(local(p), "parameter"), flat_view(local(o), "output")
         if ol.numel() != pl.numel():
             raise ValueError(f"output has {ol.numel()} elements, parameter {pl.numel()}")
         if g is not None:
-            g = _flat(_local(g), "gradient")
+            g = flat_view(local(g), "gradient")
             if g.numel() != pl.numel() or g.dtype != pl.dtype:
                 raise ValueError("a gradient must match its parameter's numel and dtype")
             # The output may be its gradient's memory, or start at or before it in a narrower
@@ -238,10 +243,10 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1
             # the workspace and copied last).
             same = ol.data_ptr() == g.data_ptr() and ol.dtype == g.dtype
             trailing = ol.data_ptr() <= g.data_ptr() and ol.element_size() < g.element_size()
-            if _overlaps(ol, g) and not (same or trailing):
+            if overlaps(ol, g) and not (same or trailing):
                 raise ValueError("an output may be its gradient's memory, or start at or before it in a narrower "
                                  "dtype; no other overlap")
-        if _overlaps(ol, pl):
+        if overlaps(ol, pl):
             raise ValueError("an output must not overlap its parameter")
         items.append((p, pl, g, ol, found))
     if not items:
@@ -255,9 +260,9 @@ def _estimate_into(optimizer, kind, params, grads, outs, chunk_elems, lr_scale=1
     flat_items = [(p, pl, g, ol, group) for p, pl, g, ol, (_, group) in items]
     for p, pl, g, ol, _ in flat_items:
         if g is None:  # no gradient: the step leaves the parameter as it is
-            _copy_chunked(pl, ol, chunk)
+            copy_chunked(pl, ol, chunk)
     _EXTERNAL[type(optimizer)].estimate(optimizer, [it for it in flat_items if it[2] is not None], groups,
-                                        _Workspace(chunk))
+                                        Workspace(chunk))
 
 
 def _torch_estimate(optimizer, kind, items, chunk: int) -> None:
@@ -286,11 +291,11 @@ def _torch_estimate(optimizer, kind, items, chunk: int) -> None:
 def _next_step_values(optimizer, params) -> List[float]:
     """Each parameter's Adam step count + 1 (1 for a parameter without state)."""
     steps = [(optimizer.state.get(p) or {}).get("step") for p in params]
-    after = iter(_read_scalars([s for s in steps if torch.is_tensor(s)], add=1))
+    after = iter(read_scalars([s for s in steps if torch.is_tensor(s)], add=1))
     return [next(after) if torch.is_tensor(s) else 1.0 if s is None else float(s) + 1 for s in steps]
 
 
-def _read_scalars(tensors: List[torch.Tensor], add: int = 0) -> List[float]:
+def read_scalars(tensors: List[torch.Tensor], add: int = 0) -> List[float]:
     """The values of scalar tensors (+ ``add`` in their own dtype, as the step's ``step_t += 1``),
     read with one stack and one host read per device rather than one ``.item()`` per parameter."""
     out: List[float] = [0.0] * len(tensors)
@@ -326,7 +331,8 @@ def _next_step_tensors(optimizer, items) -> dict:
     return out
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two flat tensors overlaps."""
     if a.device != b.device or a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
         return False  # (meta tensors have no memory: tests count a round's kernels on them)
     a0, b0 = a.data_ptr(), b.data_ptr()

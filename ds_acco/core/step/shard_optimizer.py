@@ -35,9 +35,9 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 import torch
 
 from . import chunking, functional_commit, functional_step
+from .chunking import local
 from .functional_commit import step_overridden
-
-_GROUP_PARAMS = "params"
+from .functional_step import GROUP_PARAMS
 _MISSING = object()
 T = TypeVar("T")
 
@@ -130,7 +130,7 @@ class ShardOptimizer:
                  chunk_elems: Optional[int] = None):
         self.optimizer = optimizer
         self.masters = list(params)
-        owned = {id(p) for g in optimizer.param_groups for p in g[_GROUP_PARAMS]}
+        owned = {id(p) for g in optimizer.param_groups for p in g[GROUP_PARAMS]}
         if owned != {id(m) for m in self.masters}:
             raise ValueError("the optimizer must own exactly the shard parameters")
         if chunk_elems is not None and chunk_elems < 1:
@@ -145,13 +145,13 @@ class ShardOptimizer:
     def functional(self) -> bool:
         """Whether :meth:`estimate_into` runs without a snapshot (checked per call: a param
         group's settings may change during training, e.g. a tensor learning rate)."""
-        return functional_step.supports(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
+        return functional_step.supports(self.optimizer) and all(local(m).is_contiguous() for m in self.masters)
 
     @property
     def functional_commit(self) -> bool:
         """Whether :meth:`commit` updates θ and S in place chunk by chunk (torch SGD/Adam/AdamW
         without step hooks; checked per call) rather than through ``optimizer.step()``."""
-        return functional_commit.supports_commit(self.optimizer) and all(_local(m).is_contiguous() for m in self.masters)
+        return functional_commit.supports_commit(self.optimizer) and all(local(m).is_contiguous() for m in self.masters)
 
     @property
     def committed_second_moment(self) -> bool:
@@ -215,7 +215,7 @@ class ShardOptimizer:
         def copy_out() -> None:
             with torch.no_grad():
                 for m, out in zip(self.masters, outs):
-                    src, dst = _local(m).detach(), _local(out)
+                    src, dst = local(m).detach(), local(out)
                     if dst.numel() != src.numel():
                         raise ValueError(f"output has {dst.numel()} elements, shard {src.numel()}")
                     dst.view(-1).copy_(src.reshape(-1))
@@ -356,10 +356,6 @@ def _refused(optimizer, why: str) -> str:
             "register_step_pre_hook)")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def global_norm_sq(grads: List[torch.Tensor], chunk_elems: Optional[int] = None) -> torch.Tensor:
     """Sum of squares of this rank's shard gradients, in fp64 (for a stable all-reduce).
 
@@ -369,7 +365,7 @@ def global_norm_sq(grads: List[torch.Tensor], chunk_elems: Optional[int] = None)
     (``g.double()`` would cost 8 bytes per element), and the kernel count follows the windows,
     not the number of gradient tensors.
     """
-    flats = [_local(g).detach().reshape(-1) for g in grads]  # views for the contiguous shards we get
+    flats = [local(g).detach().reshape(-1) for g in grads]  # views for the contiguous shards we get
     device = flats[0].device
     total_elems = sum(f.numel() for f in flats)
     chunk = chunk_elems if chunk_elems is not None else chunking.chunk_elements(device, total_elems)
