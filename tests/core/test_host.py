@@ -45,8 +45,10 @@ class _TestHost:
         self.events.append(("lr_step", self.scheduler.last_epoch))
         return None
 
-    def after_commit(self, result, record):
-        self.events.append(("after_commit", self.global_steps, result.skipped, record["step"]))
+    def on_commit(self, event):
+        self.events.append(("after_commit", self.global_steps, event.skipped, event.step))
+        self.skipped_steps += event.skipped
+        self.global_steps += 1
 
     def log(self, line):
         self.events.append(("log", line))
