@@ -7,9 +7,10 @@ buffer groups and its calls into this driver's; everything else is here, once:
   policy, the shard optimizer, metrics, and the start-up banner;
 * the micro-batch protocol: weights checked, the loss scale synced before each backward, the
   phase end decided once per micro-batch (and forecast before that), the phase ended;
-* commit bookkeeping, once per committed step, on the adapter's host (:mod:`.host`): the loss
-  scaler, the metrics record, the LR scheduler (:mod:`.lr_bookkeeping`), skipped / global steps,
-  the log line and the monitor;
+* commit bookkeeping, once per committed step: the loss scaler, the LR scheduler
+  (:mod:`.lr_bookkeeping`), the metrics record, then one :class:`~.lifecycle.host.CommitEvent`
+  to the adapter's host (its step counters, its monitor, the log line: the order is the Host
+  protocol's);
 * a SIGTERM that stops every rank at the same round (the request rides along with a round),
   chaining any handler installed before;
 * the rank-consistency check of the settings (:func:`check_same_on_all_ranks`);
@@ -38,7 +39,7 @@ from ..comm.streams import stream_accelerator
 from .checks.refusals import check_estimate_variant, refuse
 from .checks.warning_rows import one_queue_serialisation
 from .lifecycle.at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, end_groups
-from .lifecycle.host import Host
+from .lifecycle.host import CommitEvent, Host
 from .lifecycle.lr_bookkeeping import LRBookkeeping
 from .lifecycle.metrics import StepMetrics, format_line, scalar_items
 from .round.report import RoundReport
@@ -244,22 +245,21 @@ class AccoDriver:
         return self.shard_optimizer.optimizer.param_groups[0]["lr"]
 
     def _on_commit(self, result: RoundResult) -> None:
+        # The order of a commit's effects is the Host protocol's (core/lifecycle/host.py).
         scale = self.host.update_loss_scale(result.skipped)  # once per optimizer step, as DeepSpeed does
-        self.lr.collected(result.skipped)
-        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history,
-                                        result.lr if result.lr is not None else self.get_lr(), loss_scale=scale)
-        if result.skipped:
-            self.host.skipped_steps += 1
-        self.host.after_commit(result, record)
-        self.host.global_steps += 1
-        cfg = self.config.metrics
-        if dist.get_rank() != 0:
-            return
-        monitor = self.host.monitor
-        if cfg.monitor and monitor is not None and monitor.enabled:
-            monitor.write_events([(f"ACCO/{k}", v, self.host.global_samples) for k, v in scalar_items(record)])
-        if cfg.log_every and record["step"] % cfg.log_every == 0:
-            self.log(format_line(record))
+        lr_done = self.lr.collected(result.skipped)
+        lr = result.lr if result.lr is not None else self.get_lr()
+        record = self.metrics.on_commit(result, self.schedule.recent_rounds, self.schedule.history, lr,
+                                        loss_scale=scale)
+        cfg, rank0 = self.config.metrics, dist.get_rank() == 0
+        total = result.total
+        self.host.on_commit(CommitEvent(
+            step=record["step"], skipped=result.skipped, grad_norm=result.grad_norm, loss_scale=scale, lr=lr,
+            lr_scheduler=lr_done, micro_batches=total.micro_batches, weight=total.weight,
+            weighting=self.config.weighting,
+            monitor_events=tuple(scalar_items(record)) if rank0 and cfg.monitor else (),
+            log_line=format_line(record) if rank0 and cfg.log_every and record["step"] % cfg.log_every == 0
+            else None))
 
     # -- stopping on SIGTERM: every rank at the same round ---------------------------------------
     def _report(self) -> RoundReport:

@@ -240,19 +240,17 @@ class AccoEngine(DeepSpeedEngine):
             return lambda: scheduler.step(**{**kwargs, "increment": -increment})
         return None
 
-    def _acco_after_commit(self, result, record) -> None:
-        # What DeepSpeedEngine._take_model_step does besides the scheduler, once per committed step.
-        self._step_applied = not result.skipped
-        self._acco_window_skipped = self._acco_window_skipped or result.skipped
+    def _acco_book_step(self, event) -> None:
+        # What DeepSpeedEngine._take_model_step does besides the scheduler and the step counters, once
+        # per committed step (DeepSpeedHost.on_commit: between skipped_steps and global_steps).
+        self._step_applied = not event.skipped
+        self._acco_window_skipped = self._acco_window_skipped or event.skipped
         if self.steps_per_print() is not None and self.global_rank == 0 and (self.global_steps +
                                                                              1) % self.steps_per_print() == 0:
             self._report_progress(self.global_steps + 1)
-        self._global_grad_norm = result.grad_norm
+        self._global_grad_norm = event.grad_norm
         self.losses = None
-        total = result.total
-        samples = total.weight if self._acco_config.weighting == "sample" else (
-            total.micro_batches * self.train_micro_batch_size_per_gpu())
-        self.global_samples += int(samples)
+        self.global_samples += event.samples(self.train_micro_batch_size_per_gpu())
         self.monitor.booked(self.global_samples)
 
     @property

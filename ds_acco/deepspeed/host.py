@@ -5,7 +5,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from deepspeed.utils import logger
 
-from ..core.lifecycle.host import forwarded
+from ..core.lifecycle.host import CommitEvent, forwarded, publish_commit
 from ..core.round.buffers import BufferGroup
 
 
@@ -53,8 +53,16 @@ class DeepSpeedHost:
     def step_lr_scheduler(self) -> Optional[Callable[[], Any]]:
         return self.engine._acco_step_lr_scheduler()
 
-    def after_commit(self, result, record: dict) -> None:
-        self.zero_optimizer._after_commit(result, record)
+    def on_commit(self, event: CommitEvent) -> None:
+        """A commit's effects on the engine, in the Host protocol's order (what
+        ``DeepSpeedEngine._take_model_step`` does besides the optimizer and the scheduler)."""
+        engine = self.engine
+        if event.skipped:
+            engine.skipped_steps += 1
+        self.zero_optimizer._global_grad_norm = event.grad_norm
+        engine._acco_book_step(event)  # progress line, grad norm, global_samples, DeepSpeed's held figures
+        engine.global_steps += 1
+        publish_commit(event, self.monitor, engine.global_samples, self.log)
 
     def log(self, line: str) -> None:
         logger.info(line)

@@ -82,7 +82,6 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         kwargs["round_robin_gradients"] = False
         super().__init__(init_optimizer, param_names, **kwargs)
         self.acco_config = acco_config
-        self._engine_after_commit = engine._acco_after_commit
 
         world = dist.get_world_size(group=self.dp_process_group)
         rank = dist.get_rank(group=self.dp_process_group)
@@ -189,10 +188,6 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             # skipped), double after scale_window clean steps. The schedule then rescales G.
             self._update_scale(skipped)
         return float(self.loss_scale) if self.dynamic_loss_scale or self.dtype == torch.float16 else None
-
-    def _after_commit(self, result, record) -> None:
-        self._global_grad_norm = result.grad_norm
-        self._engine_after_commit(result, record)
 
     def drain(self):
         """Wait for the round in flight; returns its result (None if nothing was in flight)."""

@@ -40,7 +40,7 @@ from ..core.schedule.machine import AccoSchedule
 from ..weights import ExportHooks
 from . import _torch_internals as fsdp_internals
 from .buffers import FSDPBuffers, FSDPShardedBuffers
-from .host import FSDPHost
+from .host import FSDPHost, micro_batch_size
 
 _RESET_REFUSED = (
     "FSDP is about to reset its sharded parameters (model.to(), .float() or model.load_state_dict() was called while "
@@ -63,7 +63,8 @@ class AccoFSDP:
         optimizer: a torch optimizer over ``model.parameters()`` (FSDP's sharded DTensors), built
             before this object.
         config: a dict or a DeepSpeed-style JSON path; reads ``"acco"``, ``"gradient_accumulation_steps"``,
-            ``"gradient_clipping"`` and ``"fp16"``.
+            ``"gradient_clipping"``, ``"fp16"`` and, for ``global_samples``, ``"train_micro_batch_size_per_gpu"``
+            (or ``"train_batch_size"``).
         lr_scheduler: stepped once per committed optimizer step.
         sharded_params: keep the parameters sharded between micro-batches (FSDP gathers them per
             layer, with its prefetch); default: resident unsharded parameters (see the module).
@@ -96,6 +97,7 @@ class AccoFSDP:
                                  "gradient_clipping": clip, "fp16": raw.get("fp16")},
                                 "the \"acco\" block (or gradient_accumulation_steps / gradient_clipping / fp16)",
                                 group=_mesh_group(model))
+        micro = micro_batch_size(raw, gas, dist.get_world_size(_mesh_group(model)))  # before FSDP is taken over
         self.module = model
         self.optimizer = optimizer
         self.acco_config = acco
@@ -103,6 +105,7 @@ class AccoFSDP:
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
         self.skipped_steps = 0
+        self.global_samples = 0  # all ranks' samples in the committed steps, as DeepSpeed's engine counts them
         self._weight = 1.0
         self.loss_scaler = None
         if fp16 is not None:  # DeepSpeed's own scaler, configured by the same "fp16" block
@@ -119,7 +122,7 @@ class AccoFSDP:
                                  "over the data-parallel mesh)")
         self.sharded_params = sharded_params
         self.buffers = self._take_over_fsdp(model, acco)
-        self.driver = AccoDriver(acco, FSDPHost(self, self._mesh_group, gas, float(clip)))
+        self.driver = AccoDriver(acco, FSDPHost(self, self._mesh_group, gas, float(clip), micro))
         if sharded_params and not self.driver.shard_optimizer.functional:
             self.close()
             raise refuse("fsdp_sharded_params_optimizer", f"AccoFSDP(sharded_params=True) with "

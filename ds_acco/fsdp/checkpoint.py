@@ -80,6 +80,7 @@ def save(acco, path: str) -> None:
             "lr_scheduler": acco.lr_scheduler.state_dict() if acco.lr_scheduler is not None else None,
             "global_steps": acco.global_steps,
             "skipped_steps": acco.skipped_steps,
+            "global_samples": acco.global_samples,
             "world": dist.get_world_size(group),
             "loss_scaler": None if acco.loss_scaler is None else dict(vars(acco.loss_scaler)),
         }
@@ -145,6 +146,7 @@ def load(acco, path: str) -> None:
         acco.lr_scheduler.load_state_dict(extras["lr_scheduler"])
     acco.global_steps = extras["global_steps"]
     acco.skipped_steps = extras["skipped_steps"]
+    acco.global_samples = extras.get("global_samples", 0)  # absent from checkpoints written before it was counted
     if acco.loss_scaler is not None and extras.get("loss_scaler"):
         vars(acco.loss_scaler).update(extras["loss_scaler"])  # scale, iteration, hysteresis
     try:

@@ -1,10 +1,10 @@
-"""The driver's host for FSDP2: what ``AccoFSDP`` gives the core (core/lifecycle/host.py)."""
+"""The driver's host for FSDP2: what ``AccoFSDP`` gives the core (core/lifecycle/host.py) and its side of a commit."""
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, Optional
 
-from ..core.lifecycle.host import forwarded
+from ..core.lifecycle.host import CommitEvent, forwarded, publish_commit
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +21,10 @@ class FSDPHost:
     monitor = None
     sum_ranks = False  # FSDP2's gradients are the mean over the ranks
 
-    def __init__(self, adapter, process_group: Any, gradient_accumulation_steps: int, clip_grad: float):
+    def __init__(self, adapter, process_group: Any, gradient_accumulation_steps: int, clip_grad: float,
+                 micro_batch_size: int = 1):
         self.adapter = adapter
+        self.micro_batch_size = micro_batch_size
         self.groups = [adapter.buffers]
         self.optimizer = adapter.optimizer
         self.process_group = process_group
@@ -34,9 +36,7 @@ class FSDPHost:
     global_steps = forwarded("adapter", "global_steps")
     skipped_steps = forwarded("adapter", "skipped_steps")
 
-    @property
-    def global_samples(self) -> int:
-        return self.adapter.global_steps
+    global_samples = forwarded("adapter", "global_samples")
 
     def loss_scale(self) -> Optional[float]:
         scaler = self.adapter.loss_scaler
@@ -56,11 +56,36 @@ class FSDPHost:
     def step_lr_scheduler(self) -> Optional[Callable[[], Any]]:
         return self._step()
 
-    def after_commit(self, result, record: dict) -> None:
-        pass
+    def on_commit(self, event: CommitEvent) -> None:
+        """A commit's effects on the adapter, in the Host protocol's order."""
+        adapter = self.adapter
+        if event.skipped:
+            adapter.skipped_steps += 1
+        adapter.global_samples += event.samples(self.micro_batch_size)
+        adapter.global_steps += 1
+        publish_commit(event, self.monitor, adapter.global_samples, self.log)
 
     def log(self, line: str) -> None:
         logger.info(line)
 
     def announce(self, line: str) -> None:
         logger.info(line)
+
+
+def micro_batch_size(config: dict, gradient_accumulation_steps: int, world: int) -> int:
+    """The samples of one micro-batch, as DeepSpeed reads them from its config:
+    ``train_micro_batch_size_per_gpu``, else ``train_batch_size`` / (``gradient_accumulation_steps`` x
+    the data-parallel size); with neither, 1 (a micro-batch counts as one sample)."""
+    micro, train = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
+    if micro is None and train is not None:
+        per_rank = gradient_accumulation_steps * world
+        if isinstance(train, int) and not isinstance(train, bool) and train % per_rank == 0:
+            micro = train // per_rank
+        else:
+            raise ValueError(f"train_batch_size = {train!r} is not a multiple of gradient_accumulation_steps x "
+                             f"data-parallel size = {per_rank}; fix: set train_micro_batch_size_per_gpu")
+    if micro is None:
+        return 1
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ValueError(f"train_micro_batch_size_per_gpu = {micro!r}: must be an integer >= 1")
+    return micro

@@ -45,8 +45,10 @@ class _TestHost:
         self.events.append(("lr_step", self.scheduler.last_epoch))
         return None
 
-    def after_commit(self, result, record):
-        self.events.append(("after_commit", self.global_steps, result.skipped, record["step"]))
+    def on_commit(self, event):
+        self.events.append(("after_commit", self.global_steps, event.skipped, event.step))
+        self.skipped_steps += event.skipped
+        self.global_steps += 1
 
     def log(self, line):
         self.events.append(("log", line))
@@ -107,3 +109,105 @@ def test_a_test_host_is_all_the_driver_needs():
         assert (announced[0].startswith("ACCO is on (test host): mode=acco, 2 micro-batches per phase")
                 if rank == 0 else announced == []), announced
         assert all(abs(w) < 1e3 for w in out["weights"])  # the skipped step's inf never reached the weights
+
+
+DS_GAS, DS_STEPS, DS_NAN_AT = 2, 5, 5  # rank 0's micro-batch 5 (step 3) has a NaN input: a commit is skipped
+
+
+def _deepspeed_commit_effects(monitor_dir):
+    """A real ACCO DeepSpeed engine (fp16, dynamic loss scale, an LR scheduler, DeepSpeed's csv
+    monitor, ACCO's metrics to the monitor and the log) with every effect of a commit recorded where
+    it lands: the loss scaler's update, the event, the progress line, DeepSpeed's held per-step
+    figures (``booked``), ACCO's monitor events and log line, each with the step counters and the
+    scheduler's ``last_epoch`` seen then."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    import ds_acco
+    from fixtures import TinyNet, batch, ds_config, make_optimizer
+    from lr_workers import FP16
+
+    get_accelerator().is_fp16_supported = lambda: True  # torch's CPU fp16 kernels run TinyNet
+    acco = {"enabled": True, "mode": "acco", "metrics": {"monitor": True, "log_every": 1}}
+    model = TinyNet(seed=0)
+    opt = make_optimizer("adamw")(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.5 * s))
+    engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config(
+        DS_GAS, acco, fp16=FP16, steps_per_print=1,
+        csv_monitor={"enabled": True, "output_path": monitor_dir, "job_name": "host"}))
+    rank = dist.get_rank()
+    host, zero = engine.optimizer.driver.host, engine.optimizer
+    effects = []
+
+    def seen():
+        return engine.global_steps, engine.skipped_steps, sched.last_epoch
+
+    def wrap(obj, name, note):
+        original = getattr(obj, name)
+
+        def recorded(*args):
+            effects.append(note(*args) + seen())
+            return original(*args)
+        setattr(obj, name, recorded)
+
+    update = zero._acco_update_loss_scale
+
+    def update_loss_scale(skipped):
+        scale = update(skipped)
+        effects.append(("loss_scale", skipped, scale) + seen())
+        return scale
+    zero._acco_update_loss_scale = update_loss_scale
+    wrap(host, "on_commit", lambda e: ("on_commit", e.step, e.skipped, e.loss_scale, e.lr_scheduler))
+    wrap(engine, "_report_progress", lambda step: ("progress", step))
+    wrap(engine.monitor, "booked", lambda x: ("booked", x))
+    wrap(host, "log", lambda line: ("log", line.split(" | ")[0]))
+    inner = engine.monitor.monitor  # DeepSpeed's MonitorMaster: ACCO's events are recorded, DeepSpeed's not
+    write = inner.write_events
+
+    def write_events(events):
+        if any(name.startswith("ACCO/") for name, _, _ in events):
+            effects.append(("acco_events", sorted({x for _, _, x in events})) + seen())
+        return write(events)
+    inner.write_events = write_events
+    dtype = next(engine.module.parameters()).dtype
+    for i in range(DS_GAS * DS_STEPS):
+        x, y = batch(rank, i)
+        if i == DS_NAN_AT and rank == 0:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        engine.backward(engine(x.to(dtype), y.to(dtype)))
+        engine.step()
+    engine.destroy()  # the last commit is collected here
+    return {"effects": effects, "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+            "global_samples": engine.global_samples}
+
+
+def test_a_deepspeed_engine_books_each_commit_once_in_the_hosts_order(tmp_path):
+    """Each commit reaches the host as exactly one CommitEvent, after the loss scaler's update and
+    the LR bookkeeping (a skipped step's scheduler step undone before the event), and the engine's
+    effects come in the Host protocol's order: skipped_steps, the progress line and DeepSpeed's held
+    figures (global_steps not yet advanced, global_samples with this step), global_steps, then
+    ACCO's monitor events and log line (rank 0)."""
+    from fixtures import MICRO
+    outs = run_ranks(_deepspeed_commit_effects, world=2, monitor_dir=str(tmp_path), timeout=scaled(180))
+    for rank, out in enumerate(outs):
+        effects = out["effects"]
+        updates = [e for e in effects if e[0] == "loss_scale"]
+        assert len(updates) == out["global_steps"] == DS_STEPS
+        expected, skipped = [], 0
+        for t, (_, s, scale, steps, skipped_before, epoch) in enumerate(updates, start=1):
+            assert (steps, skipped_before) == (t - 1, skipped)
+            after_lr = epoch - s  # a skipped step's scheduler step, taken at its launch, is undone
+            skipped += s
+            x = t * DS_GAS * 2 * MICRO  # every micro-batch of both ranks, MICRO samples each
+            expected += [("loss_scale", s, scale, t - 1, skipped - s, epoch),
+                         ("on_commit", t, s, scale, "undone" if s else "kept", t - 1, skipped - s, after_lr)]
+            if rank == 0:
+                expected.append(("progress", t, t - 1, skipped, after_lr))
+            expected.append(("booked", x, t - 1, skipped, after_lr))
+            if rank == 0:
+                expected += [("acco_events", [x], t, skipped, after_lr), ("log", f"ACCO step {t}", t, skipped, after_lr)]
+        assert effects == expected
+        assert skipped == out["skipped_steps"] >= 1  # the NaN micro-batch's commit was skipped on every rank
+        assert out["global_samples"] == DS_STEPS * DS_GAS * 2 * MICRO

@@ -123,7 +123,7 @@ def run(case):
         final = live_snapshot(model)
         final_fp32 = master_snapshot(model)
     out = {"final": final, "final_fp32": final_fp32, "losses": losses, "global_steps": acco.global_steps,
-           "phases": [p.tally.micro_batches for p in acco.schedule.history],
+           "global_samples": acco.driver.host.global_samples, "phases": [p.tally.micro_batches for p in acco.schedule.history],
            "metrics": acco.acco_metrics_history, "boundary_type": type(acco.is_gradient_accumulation_boundary()).__name__,
            "sharded_between": sharded, "b_bytes": acco.buffers.comm.numel(), "skipped_steps": acco.skipped_steps,
            "param_dtype": str(next(iter(model.parameters())).dtype),

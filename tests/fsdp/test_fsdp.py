@@ -148,6 +148,18 @@ def test_dynamic_replay(runs):
     assert sum(counts[0]) > sum(counts[1]), "the fast rank should contribute more micro-batches"
 
 
+@pytest.mark.parametrize("name", list(FIXED) + ["acco-dyn-sgd"])
+def test_global_samples_count_samples_as_deepspeed_does(runs, name):
+    """The host's global_samples (the x axis of monitor events) is all ranks' samples in the committed
+    steps, as DeepSpeed's engine counts them (train_batch_size per fixed step), not the step count."""
+    from fixtures import MICRO
+    r0, r1 = runs[name]
+    want = sum(m["micro_batches_global"] for m in r0["metrics"]) * MICRO  # dynamic phases: as many as there were
+    assert r0["global_samples"] == r1["global_samples"] == want
+    if name in FIXED:
+        assert want == STEPS * GAS * 2 * MICRO
+
+
 def _train_loss(params):
     model = TinyNet(seed=0)
     with torch.no_grad():

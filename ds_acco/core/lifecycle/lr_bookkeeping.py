@@ -101,8 +101,11 @@ class LRBookkeeping:
             self._warn_caller_scheduler(scheduler, str(exc))
             step()
 
-    def collected(self, skipped: bool) -> None:
-        """The commit launched last was collected: ``skipped`` or applied."""
+    def collected(self, skipped: bool) -> str:
+        """The commit launched last was collected: ``skipped`` or applied. Returns what was done
+        (:attr:`~ds_acco.core.lifecycle.host.CommitEvent.lr_scheduler`): ``"undone"`` (skipped: the
+        scheduler steps taken for it are taken back, one still owed is never taken), ``"stepped"``
+        (applied: the deferred step of a scheduler that cannot be undone, taken now) or ``"kept"``."""
         undos, self._undos, self._commit_in_flight = self._undos, [], False
         self._collected_skipped = skipped
         if skipped:
@@ -121,9 +124,12 @@ class LRBookkeeping:
                                                         "fix: a load_state_dict() that restores a live scheduler")
                     else:
                         self._warn_caller_scheduler(undo.scheduler, str(exc))
-        elif self._owed and self._deferred:
+            return "undone"
+        if self._owed and self._deferred:
             self._owed = False
             self._step()
+            return "stepped"
+        return "kept"
 
     def _defer(self, scheduler, why: str) -> None:
         self._deferred = True
