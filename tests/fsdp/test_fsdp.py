@@ -207,3 +207,19 @@ def test_config_errors(runs):
     assert "optimizer must" in e["wrong_optimizer"] and "fix:" in e["wrong_optimizer"]
     assert "acco.weighting = 'micro_batch'" in e["weight"]
     assert "re-gather" in e["regather"] and "fix:" in e["regather"]
+
+
+@pytest.mark.parametrize("config, want", [
+    ({}, 1), ({"train_micro_batch_size_per_gpu": 3}, 3), ({"train_batch_size": 48}, 3),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 3}, 3),
+    ({"train_batch_size": 50}, "train_batch_size = 50 is not a multiple"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu = 0"),
+    ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu = True")])
+def test_the_micro_batch_size_is_read_as_deepspeed_reads_it(config, want):
+    # gradient_accumulation_steps 8 x 2 ranks: train_batch_size 48 is 3 samples per micro-batch
+    from ds_acco.fsdp.host import micro_batch_size
+    if isinstance(want, int):
+        assert micro_batch_size(config, 8, 2) == want
+    else:
+        with pytest.raises(ValueError, match=want):
+            micro_batch_size(config, 8, 2)
