@@ -132,7 +132,7 @@ class AccoSchedule:
     inflight = position_field("inflight", "The round launched and not yet swapped in (finished or not), if any.")
 
     def _move(self, **changes) -> None:
-        self.position = dataclasses.replace(self.position, **changes)
+        self.position = self.position.moved(**changes)
 
     # -- the compute lane's calls ---------------------------------------------------------
     def forecast_phase_end(self) -> bool:
@@ -283,7 +283,7 @@ class AccoSchedule:
         finished round, or None) and, given, runs ``phases`` from here; the phase in progress began
         before: no phase-end decision was taken for it, it is not measured, and a drift measured
         before belongs to no step after it."""
-        self.position = dataclasses.replace(position, decision=None)
+        self.position = position.moved(decision=None)
         self.phases = self.phases if phases is None else phases
         self.context.pending_drift = None
         self.clock.skip_phase()

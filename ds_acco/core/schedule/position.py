@@ -1,7 +1,7 @@
 """The schedule's position as one value: where the phases, steps, tallies and the round in flight stand.
 
 :class:`Position` is immutable: the schedule (:mod:`.machine`) replaces it at each transition
-(``dataclasses.replace``) and is the only code that does; the parts read it through the schedule's
+(:meth:`Position.moved`) and is the only code that does; the parts read it through the schedule's
 read-only names. A checkpoint saves it (:meth:`Position.to_dict`, the keys of
 :class:`.state.ScheduleState`'s format) and a load builds a new one (:meth:`Position.from_dict`).
 The round in flight is a reference to its :class:`.inflight.InFlight` record, whose own bookkeeping
@@ -10,7 +10,7 @@ The round in flight is a reference to its :class:`.inflight.InFlight` record, wh
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from ...comm.lane import RoundHandle
@@ -34,6 +34,18 @@ class Position:
     last_commit_grad_norm: Optional[float] = None  # the newest collected commit's
     inflight: Optional[InFlight] = None  # the round launched and not yet swapped in
     decision: Optional[tuple] = None  # (micro-batch index, why the phase ends or None); not saved
+
+    def moved(self, **changes) -> "Position":
+        """A new position: this one with ``changes`` (what ``dataclasses.replace`` returns, without
+        re-running ``__init__``: the schedule moves at least twice per micro-batch)."""
+        unknown = changes.keys() - _FIELDS
+        if unknown:
+            raise TypeError(f"Position has no field(s) {sorted(unknown)}")
+        new = object.__new__(Position)
+        state = new.__dict__
+        state.update(self.__dict__)
+        state.update(changes)
+        return new
 
     def to_dict(self) -> dict:
         """The saved keys (:class:`.state.ScheduleState`'s format; the round in flight finished)."""
@@ -70,6 +82,9 @@ class Position:
                    buffer_tally=Tally(*state["buffer_tally"]), micro_batches=state["micro_batches"],
                    accumulated_loss_scale=float(state["accumulated_loss_scale"]),
                    last_commit_grad_norm=state.get("last_commit_grad_norm"), inflight=inflight)
+
+
+_FIELDS = frozenset(f.name for f in fields(Position))
 
 
 def position_field(name: str, doc: str) -> property:
