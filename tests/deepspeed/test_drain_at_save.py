@@ -9,7 +9,7 @@ launched one round more than rank 0. Both then save a checkpoint (a drain). Shor
 a drain that does not agree fails in seconds.
 
 Written while the library had no drain agreement (rank 1 then waited for a round rank 0 never
-launched, and this test failed); it passes since drains agree (see schedule.py).
+launched, and this test failed); it passes since drains agree (see ds_acco/core/schedule/drains.py).
 """
 
 from dist import run_ranks

@@ -19,7 +19,7 @@ def close_at_exit(ref: "weakref.ref") -> None:
     reported failure, and a real error's exit status was lost. Every rank runs this at its exit,
     as the same script ends the same way on every rank: fixed mode waits for the round in flight
     (every rank launched it: same micro-batch counts), dynamic mode runs its drain protocol
-    (``schedule.py``: the j-th drain of every rank finishes the same rounds). Nothing is saved or
+    (``core/schedule/drains.py``: the j-th drain of every rank finishes the same rounds). Nothing is saved or
     written: the finished commit only updates this process's memory. Bounded by
     ``comm_timeout_s``; a peer already gone fails the collective at once (its sockets close),
     and then the round is dropped here with one line on stderr. Registered per driver with a weak

@@ -24,7 +24,7 @@ class RoundReport:
     The first four are this rank's figures for its last committed step (``StepMetrics``; NaN
     before its first), sent with the next round so the cross-rank timing of step t-1 is known at
     step t. ``stop``: a SIGTERM asked this rank to stop; every rank stops at the round that
-    carries it. ``drain`` / ``drain_at``: dynamic mode only (schedule.py, "Drains agree"): the
+    carries it. ``drain`` / ``drain_at``: dynamic mode only (core/schedule/drains.py, "Drains agree"): the
     drain this rank is in (its number; 0 outside a drain; :data:`DRAIN_ABORT`) and its
     micro-batch count then. ``compute_s_per_micro_batch``: this rank's compute seconds per
     micro-batch over its last measured phase (NaN before one; the schedule fills it): what

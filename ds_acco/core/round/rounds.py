@@ -247,7 +247,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
     """One round (ACCO.md): mean gradient over all ranks, one optimizer step on the shard --
     discarded for an estimate, kept for a commit -- and the new parameters all-gathered into B.
     ``exchanged``: the table of :func:`exchange_tallies`, when this rank's drain probe already
-    exchanged it (its peers' rounds did, see schedule.py); the round then starts at the reduce.
+    exchanged it (its peers' rounds did, see core/schedule/drains.py); the round then starts at the reduce.
     ``settings``: the param groups' settings (learning rate, ...) captured when the round was
     launched (ShardOptimizer.settings): the step of round t uses step t's learning rate whatever
     a scheduler does on the compute thread meanwhile (default: the settings when it runs).
