@@ -91,7 +91,7 @@ GUARD_EXPECTED = {
     "megatron-args": ("RuntimeError", LAUNCH_FIX), "looked-up-early": ("RuntimeError", LAUNCH_FIX),
     "engine-direct": ("RuntimeError", LAUNCH_FIX), "accelerate": ("RuntimeError", LAUNCH_FIX),
     "hf-trainer": ("RuntimeError", LAUNCH_FIX),
-    "invalid-block": ("ValueError", ["acco.enabled = 'yes'", "fix:"]),
+    "invalid-block": ("AccoRefusal", ["acco.enabled = 'yes'", "fix:"]),
     "no-block": "DeepSpeedEngine", "disabled-block": "DeepSpeedEngine", "opt-out": "DeepSpeedEngine",
     "opt-out-accelerate": "DeepSpeedEngine", "opt-out-ds_acco.initialize": "DeepSpeedEngine",
     "opt-out-unknown-value": ("ValueError", ["DS_ACCO = 'on': unknown value", "fix: DS_ACCO=off"]),
