@@ -36,7 +36,7 @@ from ..comm import collectives
 from ..comm.groups import new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
-from .checks.refusals import check_estimate_variant, refuse
+from .checks.refusals import refuse
 from .checks.warning_rows import one_queue_serialisation
 from .lifecycle.at_exit import ABANDONED_LANES, KEPT_FOR_EXIT, close_at_exit, end_groups
 from .lifecycle.host import CommitEvent, Host
@@ -88,9 +88,12 @@ class AccoDriver:
         config: the validated ``"acco"`` block.
         host: what the adapter built and its side of a commit (:class:`~ds_acco.core.lifecycle.host.Host`).
             Under tensor parallelism every rank of the world must build one.
+        shard_optimizer: the :class:`ShardOptimizer` over the host's shards, in the groups' order (None:
+            built here). The adapter checked what it built before this driver (check point 2,
+            :func:`~ds_acco.core.checks.built.check_built`): the driver trusts it.
     """
 
-    def __init__(self, config, host: Host):
+    def __init__(self, config, host: Host, shard_optimizer: Optional[ShardOptimizer] = None):
         self.config = config
         self.host = host
         self.log = host.log
@@ -98,8 +101,8 @@ class AccoDriver:
         self.lr = LRBookkeeping(host.step_lr_scheduler, host.lr_scheduler, lambda: optimizer)
         self.gradient_accumulation_steps = host.gradient_accumulation_steps
         # its window is set by the schedule (chunking.chunk_elements)
-        self.shard_optimizer = ShardOptimizer(optimizer, [p for g in groups for p in g.shard_params])
-        check_estimate_variant(config.estimate, self.shard_optimizer, rounds=config.mode == "acco")
+        self.shard_optimizer = shard_optimizer or ShardOptimizer(optimizer,
+                                                                 [p for g in groups for p in g.shard_params])
         process_group, model_parallel_group = host.process_group, host.model_parallel_group
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))

@@ -21,11 +21,12 @@ from ..config import AccoConfig, acco_config_of
 from ..config_deepspeed import load_ds_config, requested_layout
 from ..config_keys import check_deepspeed_compat, replaced_keys
 from ..config_routing import note_opt_out, opted_out
+from ..core.checks.built import check_built
 from ..core.checks.refusals import check_layout, refuse, under_caller_boundary
 from ..core.schedule.phases import FixedPhases
 from ..weights import ExportHooks
 from . import checkpoint
-from .layout import built_layout, check_ranks_agree
+from .layout import built_by, built_layout, check_ranks_agree
 from .optimizer import AccoZeroOptimizer
 from .step_figures import stamped_monitor, unsynchronise_timers
 
@@ -51,8 +52,9 @@ class AccoEngine(DeepSpeedEngine):
 
     def __init__(self, *args, acco_config: AccoConfig, **kwargs):
         # acco_config: the block :func:`initialize` parsed and checked (check point 1); what this engine
-        # builds is checked as it is built (check point 2: _configure_distributed_model, the optimizer).
+        # built is checked once, before the driver starts (check point 2: check_built below).
         self._acco_config = acco_config
+        self._acco_layout = None  # the layout DeepSpeed's groups form (_configure_distributed_model)
         self._acco_client_mpu = kwargs.get("mpu")  # AutoTP replaces engine.mpu with DeepSpeed's groups module
         self._acco_lr_kwargs = None
         self._acco_weight = 1.0
@@ -68,10 +70,8 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_commits_at_step = 0  # commits launched when the caller's last step() returned
         self._acco_exports = None  # ExportHooks: every state_dict() of the model reads the committed θ
         super().__init__(*args, **kwargs)
-        if not isinstance(self.optimizer, AccoZeroOptimizer):
-            raise refuse("not_zero1_optimizer", f"acco.enabled = true but DeepSpeed built "
-                                                f"{type(self.optimizer).__name__}")
-        driver = self.optimizer.driver
+        check_built(acco_config, built_by(self, self._acco_layout, AccoZeroOptimizer))  # before rounds group, lane
+        driver = self.optimizer.start()
         driver.install_sigterm(save=self.save_checkpoint)
         self._acco_exports = ExportHooks(self.module, driver.schedule)
         ignored = replaced_keys(self._config._param_dict)
@@ -84,8 +84,8 @@ class AccoEngine(DeepSpeedEngine):
     def _configure_distributed_model(self, model):
         super()._configure_distributed_model(model)
         # DeepSpeed's groups exist now, however they were built (a user mpu, AutoTP, tp_model_init, a
-        # mesh): refuse what ACCO does not support from what was built, before the ZeRO optimizer.
-        check_layout(self._acco_config, built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler))
+        # mesh): what check point 2 reads of them.
+        self._acco_layout = built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler)
 
     def _configure_zero_optimizer(self, optimizer):
         cfg = self._acco_config

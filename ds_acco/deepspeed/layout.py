@@ -1,5 +1,5 @@
-"""What a DeepSpeed engine runs under, read for the refusals: the layout its groups form, and the
-ranks' agreement on the settings before it is built."""
+"""What a DeepSpeed engine runs under, read for the refusals: the ranks' agreement on the settings
+before it is built, the layout its groups form and what it built (check point 2's record)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..config import AccoConfig
 from ..config_deepspeed import marked_params, steps_with_increment
+from ..core.checks.built import Built
 from ..core.checks.refusals import ParallelLayout
 from ..core.driver import check_same_on_all_ranks
 
@@ -50,3 +51,15 @@ def built_layout(engine: DeepSpeedEngine, model, mpu, lr_scheduler) -> ParallelL
                           sequence_parallel_from=sp_from, sequence_parallel_params=sequence_parallel_params,
                           expert_params=expert_params,
                           caller_sets_boundary=mpu is not None or steps_with_increment(lr_scheduler))
+
+
+def built_by(engine: DeepSpeedEngine, layout: ParallelLayout, acco_optimizer: type) -> Built:
+    """What ``engine`` built, for check point 2: ``layout`` (:func:`built_layout` of its groups), its
+    optimizer (not ``acco_optimizer``: refused), the rounds' and the estimate round's dtypes, the shard
+    optimizer."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, acco_optimizer):
+        return Built(foreign_optimizer=type(optimizer).__name__, layout=layout)
+    return Built(shard_optimizer=optimizer.shard_optimizer, comm_dtype=optimizer.comm_dtype,
+                 estimate_dtype=optimizer.estimate_dtype, estimate_dtype_row="estimate_dtype_deepspeed",
+                 layout=layout)

@@ -18,9 +18,9 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ..config import AccoConfig
-from ..core.checks.refusals import check_estimate_dtype
 from ..core.driver import AccoDriver
 from ..core.round.buffers import FlatBuffers, estimate_comm_dtype
+from ..core.step.shard_optimizer import ShardOptimizer
 from . import functional  # noqa: F401 -- registers DeepSpeed's Adams' functional estimates with the core
 from .host import DeepSpeedHost
 
@@ -60,7 +60,8 @@ def _follow(optimizer_ref, group: int, what: str):
 class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
     """ZeRO-1 optimizer whose reduce / step / all-gather overlap the next micro-batches (ACCO.md).
 
-    Built by :class:`~ds_acco.deepspeed.engine.AccoEngine`; the engine calls :meth:`step` at
+    Built by :class:`~ds_acco.deepspeed.engine.AccoEngine`, which checks what was built (check point 2)
+    and then calls :meth:`start` (the driver: rounds group, lane); the engine calls :meth:`step` at
     every phase end (``is_gradient_accumulation_boundary()``).
     """
 
@@ -86,13 +87,12 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
         world = dist.get_world_size(group=self.dp_process_group)
         rank = dist.get_rank(group=self.dp_process_group)
         estimate_dtype = estimate_comm_dtype(acco_config.estimate_comm_dtype)
-        check_estimate_dtype("estimate_dtype_deepspeed", acco_config.estimate_comm_dtype, estimate_dtype, comm_dtype)
         groups = []
         for i, live in enumerate(self.bit16_groups_flat):
             grads = torch.zeros(live.numel(), dtype=accum_dtype, device=live.device)
             groups.append(FlatBuffers(live, grads, self.single_partition_of_fp32_groups[i], rank=rank, world=world,
                                       comm_dtype=comm_dtype, estimate_dtype=estimate_dtype))
-        self.accum_dtype, self.comm_dtype = accum_dtype, comm_dtype
+        self.accum_dtype, self.comm_dtype, self.estimate_dtype = accum_dtype, comm_dtype, estimate_dtype
         self._grad_views = []  # (param, its view in G), rebuilt when G moves (_grads_moved)
         self._grad_entries = [[] for _ in groups]  # per group: (index in _grad_views, offset in the flat group)
         # Tensor parallelism (DeepSpeed's model_parallel_* from the mpu): the norm is summed over the
@@ -121,9 +121,18 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
             g.on_live_moved = _follow(weakref.ref(self), i, "live")
         self.pending_acco_state = None  # set by load_state_dict, applied by the engine after loading
         device = groups[0].live.device
-        self.driver = AccoDriver(acco_config, DeepSpeedHost(
-            engine, self, groups, gradient_accumulation_steps, accelerator=_stream_accelerator(device),
-            model_parallel_group=self.model_parallel_group if model_parallel else None))
+        self._acco_host = DeepSpeedHost(engine, self, groups, gradient_accumulation_steps,
+                                        accelerator=_stream_accelerator(device),
+                                        model_parallel_group=self.model_parallel_group if model_parallel else None)
+        # what check point 2 reads of the shards (AccoEngine); the driver steps them with it
+        self.shard_optimizer = ShardOptimizer(self.optimizer, [p for g in groups for p in g.shard_params])
+        self.driver: Optional[AccoDriver] = None  # start(): after the engine checked what was built
+
+    def start(self) -> AccoDriver:
+        """The core's driver over what this optimizer built (its rounds group and lane), once the
+        engine has checked it (check point 2, ``core/checks/built.py``)."""
+        self.driver = AccoDriver(self.acco_config, self._acco_host, self.shard_optimizer)
+        return self.driver
 
     @property
     def schedule(self):
@@ -223,6 +232,9 @@ class AccoZeroOptimizer(DeepSpeedZeroOptimizer):
     def destroy(self):
         for h in self._accumulate_hooks:
             h.remove()
+        if self.driver is None:  # refused at check point 2 (or the engine failed first): nothing started
+            super().destroy()
+            return
         if self.driver.abandoned:
             # From a finaliser: DeepSpeed's destroy() synchronises the device, which waits for the
             # lane's round (a collective) on an accelerator. Only its hooks need removing here.

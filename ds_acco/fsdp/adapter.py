@@ -32,11 +32,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..config import acco_config_of
 from ..config_deepspeed import load_ds_config
-from ..core.checks.refusals import check_fsdp_model, check_lockstep, check_schedule_compat, refuse
+from ..core.checks.built import Built, check_built
+from ..core.checks.refusals import check_lockstep, check_schedule_compat
 from ..core.driver import AccoDriver, check_same_on_all_ranks
 from ..core.round.buffers import estimate_comm_dtype
 from ..core.round.rounds import RoundResult
 from ..core.schedule.machine import AccoSchedule
+from ..core.step.shard_optimizer import ShardOptimizer
 from ..weights import ExportHooks
 from . import _torch_internals as fsdp_internals
 from .buffers import FSDPBuffers, FSDPShardedBuffers
@@ -121,12 +123,8 @@ class AccoFSDP:
             check_lockstep(acco, "AccoFSDP(sharded_params=True) (FSDP all-gathers every micro-batch's parameters "
                                  "over the data-parallel mesh)")
         self.sharded_params = sharded_params
-        self.buffers = self._take_over_fsdp(model, acco)
+        self.buffers = self._take_over_fsdp(model, acco)  # checked there (check point 2), before the driver
         self.driver = AccoDriver(acco, FSDPHost(self, self._mesh_group, gas, float(clip), micro))
-        if sharded_params and not self.driver.shard_optimizer.functional:
-            self.close()
-            raise refuse("fsdp_sharded_params_optimizer", f"AccoFSDP(sharded_params=True) with "
-                                                          f"{type(optimizer).__name__}")
         # Every model.state_dict() (and get_model_state_dict, DCP) reads the committed θ: the
         # sharded parameters FSDP puts in a state dict are the master shards, settled first.
         self._exports = ExportHooks(model, self.driver.schedule, settle_shards=True)
@@ -171,17 +169,23 @@ class AccoFSDP:
             raise ValueError("the model has no trainable FSDP parameters; fix: apply fully_shard to modules "
                              "with parameters that require grad")
         estimate_dtype = estimate_comm_dtype(acco.estimate_comm_dtype)
-        check_fsdp_model(one_mesh=all(p.mesh == params[0].mesh for p in params),
-                         reduce_dtypes=[p.reduce_dtype for p in params], param_dtypes=[p.param_dtype for p in params],
-                         loss_scaling=self.loss_scaler is not None, estimate_comm_dtype=acco.estimate_comm_dtype,
-                         estimate_dtype=estimate_dtype, post_forward_mesh=self.sharded_params and any(
-                             fsdp_internals.resharded_after_forward_to_a_smaller_mesh(p) for p in params))
-        accum_dtype, live_dtype = params[0].reduce_dtype, params[0].param_dtype
         owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         if owned != {id(p.sharded) for p in params}:
             raise ValueError("the optimizer must own exactly the shard parameters: the optimizer must hold exactly "
                              "the FSDP model's trainable parameters; fix: build it over model.parameters() after "
                              "fully_shard and before AccoFSDP")
+        # Check point 2: what was taken over, once, before any buffer, rounds group or lane (a refusal
+        # gives the model back to FSDP: _take_over_fsdp).
+        check_built(acco, Built(
+            shard_optimizer=ShardOptimizer(self.optimizer, [p.sharded for p in params]),  # its capabilities
+            fsdp=dict(one_mesh=all(p.mesh == params[0].mesh for p in params),
+                      reduce_dtypes=[p.reduce_dtype for p in params], param_dtypes=[p.param_dtype for p in params],
+                      loss_scaling=self.loss_scaler is not None, estimate_comm_dtype=acco.estimate_comm_dtype,
+                      estimate_dtype=estimate_dtype, post_forward_mesh=self.sharded_params and any(
+                          fsdp_internals.resharded_after_forward_to_a_smaller_mesh(p) for p in params)),
+            needs_functional="fsdp_sharded_params_optimizer" if self.sharded_params else None,
+            needs_functional_found=f"AccoFSDP(sharded_params=True) with {type(self.optimizer).__name__}"))
+        accum_dtype, live_dtype = params[0].reduce_dtype, params[0].param_dtype
         self._mesh_group = params[0].mesh.get_group()
         world = dist.get_world_size(self._mesh_group)
         layout = FSDPShardedBuffers if self.sharded_params else FSDPBuffers

@@ -94,7 +94,7 @@ def test_per_rank_phase_lengths_are_refused_under_autotp(runs, accumulation):
 
 def test_tensor_parallelism_the_engine_built_is_refused(runs):
     """tp_model_init's size reaches the config only inside deepspeed.initialize: refused from the
-    engine's groups, before its ZeRO optimizer (no ACCO engine is returned)."""
+    engine's groups, at check point 2, before ACCO's driver (no ACCO engine is returned)."""
     for out in runs[TP_MODEL_INIT["name"]]:
         msg = out.get("refused", "")
         assert "acco.accumulation = 'dynamic' with tensor parallelism (AutoTP's model-parallel group size = 2" \

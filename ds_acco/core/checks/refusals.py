@@ -4,12 +4,11 @@ Every refusal is a row of :data:`REFUSALS` (a key, the setting refused, the reas
 raises an :class:`AccoRefusal` (a ``ValueError``: ``except ValueError`` still catches it; ``refusal``: the
 row's key, ``row``: the row) that reads ``found`` -- the setting as the adapter found it, with its value --
 then the row's reason and fix. The config model's own errors on the ``"acco"`` block are rows too
-(``acco_*``, raised by ``AccoConfig.from_block``). Warnings are not rows (:mod:`.warnings`). The DeepSpeed
-engine calls
-``ds_acco.config_keys.check_deepspeed_compat`` with DeepSpeed's parsed config (every key classified
-there), :func:`check_layout` with the groups it built; ``AccoFSDP`` calls :func:`check_fsdp_model` with the FSDP parameters it took over; the driver
-calls :func:`check_estimate_variant` with its shard optimizer, the schedule :func:`check_lr_scaled`. Nothing here imports a framework: the
-adapters hand over plain values (sizes, dtypes, names).
+(``acco_*``, raised by ``AccoConfig.from_block``). Warnings are not rows (:mod:`.warnings`). What the
+caller passed is checked by ``ds_acco.config_keys.check_deepspeed_compat`` (DeepSpeed's parsed config,
+every key classified there) and :func:`check_layout` (the layout asked for); what an adapter built, once,
+by :func:`.built.check_built` (check point 2), which calls the checks below. Nothing here imports a
+framework: the adapters hand over plain values (sizes, dtypes, names).
 """
 from __future__ import annotations
 

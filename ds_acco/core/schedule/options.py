@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..checks.refusals import check_lr_scaled
 from ..round.buffers import BufferGroup
 from ..round.rounds import RoundContext
 from ..step import chunking
@@ -74,9 +73,8 @@ class ScheduleOptions:
                       world: int, reduce_scatter: bool, read_counts_first: bool) -> RoundContext:
         """What these options make of every round of one schedule (see :class:`.schedule.AccoSchedule`'s
         arguments); the rounds' window is the user's, or chosen for the device and the shard (chunking.py).
-        A scaled rate needs a rate in every param group: refused here, at initialize, as the lane would."""
-        if self.lr_power:
-            check_lr_scaled(f"acco.dynamic.lr_scaling = {self.lr_scaling!r}", '"lr_scaling": "none"', shard_optimizer)
+        A scaled rate needs a rate in every param group: the adapter's check point 2 refused any other
+        (core/checks/built.py), before the driver."""
         delay = DelayCompensation(groups, self.delay_compensation) if self.delay_compensation else None
         device = groups[0].comm.device
         chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems)
