@@ -159,7 +159,9 @@ def fake_deepspeed(tmp_path, monkeypatch):
         "    raise ImportError('fake deepspeed fails')\ndef initialize(): pass\n")
     installs = []
     real = sys.modules.pop("deepspeed", None)
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook comes and goes on a copy
+    # The hook comes and goes on a copy, without the one the venv's .pth armed at start-up (an editable
+    # install ships it): that one would fire on the fake deepspeed too when no test imported the real one before.
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not getattr(f, _autoinstall._MARK, False)])
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setattr(_autoinstall, "_on_deepspeed", installs.append)
     try:
