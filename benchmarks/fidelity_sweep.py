@@ -28,10 +28,24 @@ ONE_ROUND_VARIANTS = ["stock", "la2", "dpu", "ext1", "nag", "ef"]  # issue 42: o
 
 
 def one_round_groups(lr_mults=(1, 2), steps=300, seeds=3, variants=ONE_ROUND_VARIANTS):
-    """The small model at each LR multiplier: stock, the fixed default and the one-round predictors."""
+    """The small model at each LR multiplier: stock, the fixed default and the one-round predictors, one group
+    per seed (each saved as it ends; :func:`merge_seeds` pools them for the table)."""
     return [(dict(SMALL, lr=1e-3 * lr, steps=steps, warmup=max(2, steps // 20)),
              {"size": "small", "lr_mult": lr, "steps": steps, "beta2": 0.95},
-             [(v, s) for s in range(seeds) for v in variants]) for lr in lr_mults]
+             [(v, s) for v in variants]) for s in range(seeds) for lr in lr_mults]
+
+
+def merge_seeds(results: dict) -> dict:
+    """One group per setting, the runs of its per-seed groups pooled."""
+    merged = {}
+    for g in results["groups"]:
+        key = (g["size"], g["lr_mult"], g["steps"], g["beta2"])
+        if key in merged:
+            merged[key]["runs"] = merged[key]["runs"] + g["runs"]
+            merged[key]["wall_s"] += g["wall_s"]
+        else:
+            merged[key] = dict(g)
+    return dict(results, groups=list(merged.values()))
 
 
 def groups(tiny=False, short=False):
@@ -137,7 +151,7 @@ def main():
     if a.table:
         with open(a.out) as f:
             results = json.load(f)
-        print(table(results, a.variants.split(",") if a.variants else None))
+        print(table(merge_seeds(results), a.variants.split(",") if a.variants else None))
         if a.plot:
             plot(results, a.plot)
         return
