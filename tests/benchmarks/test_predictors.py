@@ -20,7 +20,7 @@ S = multirun.Setting(n_embd=8, n_layer=1, n_head=2, seq_len=8, micro_batch=2, ga
                      lr=1e-2, eval_every=5, eval_batches=1)
 SEED = 1
 CHECKED = ["dpu", "ext1", "ext2", "nag", "nag2", "ef"]
-TOL = 2e-3  # float32 against float64, relative to the step's update norm; measured ~1e-5 (see the margin asserts)
+TOL = 1e-4  # float32 against float64, relative to the largest update norm: measured 1.0-1.7e-5; wrong answers >= 0.67
 
 
 def reference(predict: str, c: float, twice=False, s=S, seed=SEED):
@@ -93,11 +93,12 @@ def simulated():
 
 
 def _dist(trace, r, ref_points, ref_commits):
-    """max over steps of ‖P_sim − P_ref‖ and ‖θ_sim − θ_ref‖, relative to the step's ‖θ_{t+1} − θ_t‖."""
+    """max over steps of ‖P_sim − P_ref‖ and ‖θ_sim − θ_ref‖, relative to the largest update ‖θ_{t+1} − θ_t‖
+    (step 0's is 0: the warm-up starts at rate 0)."""
     worst = 0.0
+    thetas = [ref_points[0]] + ref_commits
+    scale = max(math.sqrt(sum(float(((b[n] - a[n]) ** 2).sum()) for n in a)) for a, b in zip(thetas, thetas[1:]))
     for t, step in enumerate(trace):
-        prev = ref_commits[t - 1] if t else ref_points[0]
-        scale = math.sqrt(sum(float(((ref_commits[t][n] - prev[n]) ** 2).sum()) for n in prev))
         for key, ref in (("first_at", ref_points[t]), ("second_at", ref_points[t]), ("theta_next", ref_commits[t])):
             d = math.sqrt(sum(float(((step[key][n][r].double() - ref[n]) ** 2).sum()) for n in ref))
             worst = max(worst, d / scale)
@@ -114,6 +115,7 @@ def test_predictor_matches_the_float64_reference(simulated, name):
         return
     dropped = _dist(simulated, r, *reference("dpu", 0.0))  # the prediction left out: plain DPU
     twice = _dist(simulated, r, *reference(v.predict, v.pc, twice=True))
+    print(f"{name}: err {err:.2e}, prediction dropped {dropped:.2e}, applied twice {twice:.2e}")
     assert dropped > 10 * TOL and twice > 10 * TOL, (name, err, dropped, twice)
 
 
