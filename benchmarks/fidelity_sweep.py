@@ -30,7 +30,7 @@ ONE_ROUND_VARIANTS = ["stock", "la2", "dpu", "ext1", "nag", "ef"]  # issue 42: o
 def one_round_groups(lr_mults=(1, 2), steps=300, seeds=3, variants=ONE_ROUND_VARIANTS):
     """The small model at each LR multiplier: stock, the fixed default and the one-round predictors, one group
     per seed (each saved as it ends; :func:`merge_seeds` pools them for the table)."""
-    return [(dict(SMALL, lr=1e-3 * lr, steps=steps, warmup=max(2, steps // 20)),
+    return [(dict(SMALL, lr=1e-3 * lr, steps=steps, warmup=max(2, steps // 20), eval_every=max(5, steps // 20)),
              {"size": "small", "lr_mult": lr, "steps": steps, "beta2": 0.95},
              [(v, s) for v in variants]) for s in range(seeds) for lr in lr_mults]
 
@@ -168,7 +168,7 @@ def main():
             print("budget spent; stopping before", meta, flush=True)
             break
         g0 = time.time()
-        s = multirun.Setting(**kw, eval_every=50 if kw["steps"] >= 300 else max(1, kw["steps"] // 3))
+        s = multirun.Setting(**dict({"eval_every": 50 if kw["steps"] >= 300 else max(1, kw["steps"] // 3)}, **kw))
         recs = multirun.run_group(s, runs, a.device)
         meta = dict(meta, wall_s=time.time() - g0, runs=recs)
         results["groups"].append(meta)
