@@ -6,6 +6,8 @@ it finished).
     python -m benchmarks.fidelity_sweep OUT.json [--device cuda] [--budget-s 420] [--tiny]
     python -m benchmarks.fidelity_sweep --table OUT.json      # the table of docs/bench/fidelity-sweep-h200
     python -m benchmarks.fidelity_sweep OUT.json --short --budget-s 7200   # the 300-step horizon (CPU)
+    python -m benchmarks.fidelity_sweep OUT.json --one-round --lr-mults 2 --steps 200   # issue 42's predictors
+    python -m benchmarks.fidelity_sweep --table OUT.json --variants la2,dpu,ext1,nag,ef
 """
 import argparse
 import json
@@ -22,6 +24,28 @@ VARIANTS = ["stock", "paper", "keep_v", "dc", "warm", "la1.25", "la1.5", "la2"]
 
 
 SHORT_VARIANTS = ["stock", "paper", "la1.5", "la2"]  # the horizon where the early lag weighs most: the deciding ones
+ONE_ROUND_VARIANTS = ["stock", "la2", "dpu", "ext1", "nag", "ef"]  # issue 42: one round per step, against stock / fixed
+
+
+def one_round_groups(lr_mults=(1, 2), steps=300, seeds=3, variants=ONE_ROUND_VARIANTS):
+    """The small model at each LR multiplier: stock, the fixed default and the one-round predictors, one group
+    per seed (each saved as it ends; :func:`merge_seeds` pools them for the table)."""
+    return [(dict(SMALL, lr=1e-3 * lr, steps=steps, warmup=max(2, steps // 20), eval_every=max(5, steps // 20)),
+             {"size": "small", "lr_mult": lr, "steps": steps, "beta2": 0.95},
+             [(v, s) for v in variants]) for s in range(seeds) for lr in lr_mults]
+
+
+def merge_seeds(results: dict) -> dict:
+    """One group per setting, the runs of its per-seed groups pooled."""
+    merged = {}
+    for g in results["groups"]:
+        key = (g["size"], g["lr_mult"], g["steps"], g["beta2"])
+        if key in merged:
+            merged[key]["runs"] = merged[key]["runs"] + g["runs"]
+            merged[key]["wall_s"] += g["wall_s"]
+        else:
+            merged[key] = dict(g)
+    return dict(results, groups=list(merged.values()))
 
 
 def groups(tiny=False, short=False):
@@ -116,11 +140,18 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--short", action="store_true", help="the 300-step groups only (stock, paper, la1.5, la2)")
+    ap.add_argument("--one-round", action="store_true", help="issue 42: the small model, one-round predictors")
+    ap.add_argument("--lr-mults", default="1,2", help="with --one-round")
+    ap.add_argument("--steps", type=int, default=300, help="with --one-round")
+    ap.add_argument("--seeds", type=int, default=3, help="with --one-round")
+    ap.add_argument("--variants", default=None, help="with --one-round or --table: comma-separated")
     a = ap.parse_args()
+    if a.one_round:
+        torch.set_num_threads(1)
     if a.table:
         with open(a.out) as f:
             results = json.load(f)
-        print(table(results))
+        print(table(merge_seeds(results), a.variants.split(",") if a.variants else None))
         if a.plot:
             plot(results, a.plot)
         return
@@ -129,12 +160,15 @@ def main():
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
                "groups": []}
-    for kw, meta, runs in groups(a.tiny, a.short):
+    todo = (one_round_groups(tuple(float(x) for x in a.lr_mults.split(",")), a.steps, a.seeds,
+                             a.variants.split(",") if a.variants else ONE_ROUND_VARIANTS)
+            if a.one_round else groups(a.tiny, a.short))
+    for kw, meta, runs in todo:
         if time.time() - t0 > a.budget_s:
             print("budget spent; stopping before", meta, flush=True)
             break
         g0 = time.time()
-        s = multirun.Setting(**kw, eval_every=50 if kw["steps"] >= 300 else max(1, kw["steps"] // 3))
+        s = multirun.Setting(**dict({"eval_every": 50 if kw["steps"] >= 300 else max(1, kw["steps"] // 3)}, **kw))
         recs = multirun.run_group(s, runs, a.device)
         meta = dict(meta, wall_s=time.time() - g0, runs=recs)
         results["groups"].append(meta)

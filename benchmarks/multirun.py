@@ -13,6 +13,16 @@ A run's variant (per-run tensors, so every run of a group advances in the same k
   dc λ         the commit's first-half gradients compensated for their delay (DC-ASGD-a, its
                Hessian's diagonal g ⊙ g scaled by the committed RMS): ḡ̃ + λ ḡ̃ ⊙ ḡ̃ ⊙ (θ_t − θ̃_t) / (√v̂_t + ε)
   warm K       the first K steps run stock's schedule (-1: the LR warm-up's steps)
+
+One-round variants (issue 42; docs/estimate.md, "One round per step: the predictors"): one commit
+round per step, hidden behind the whole next step; the whole batch of step t is computed at a point
+P_t, θ_{t+1}, S_{t+1} = Opt(θ_t, S_t, clip(ḡ(P_t))), and P_{t+1} is made from θ_t, θ_{t-1}, S_t and
+P_t only (what round t-1 holds): P_0 = P_1 = θ_0.
+  dpu          P_{t+1} = θ_t (plain DPU: one step stale)
+  ext c        P_{t+1} = θ_t + c·(θ_t − θ_{t-1})
+  nag c        P_{t+1} = θ_t − c·η_t·(wd·θ_t + m̂_t / (√v̂_t + ε)): AdamW's step with the next gradient
+               forecast by the bias-corrected momentum, v kept (t ≥ 1)
+  ef γ         P_{t+1} = θ_t + (θ_t − θ_{t-1}) + γ·(θ_t − P_t): ext 1 with the last prediction's miss fed back
 """
 from __future__ import annotations
 
@@ -37,7 +47,11 @@ class Variant:
     keep_v: bool = False
     dc: float = 0.0
     warm: int = 0
+    predict: str = ""  # one-round predictor: "dpu", "ext", "nag", "ef" ("" : not a one-round run)
+    pc: float = 1.0  # its coefficient (c of ext / nag, γ of ef)
 
+
+PREDICTORS = ("dpu", "ext", "nag", "ef")
 
 VARIANTS = {
     "stock": Variant("stock", stock=True),
@@ -49,6 +63,13 @@ VARIANTS = {
     "la2": Variant("la2", lr_scale=2.0),
     "la1.25": Variant("la1.25", lr_scale=1.25),
     "keep_v+la1.5": Variant("keep_v+la1.5", keep_v=True, lr_scale=1.5),
+    "dpu": Variant("dpu", predict="dpu"),
+    "ext1": Variant("ext1", predict="ext", pc=1.0),
+    "ext1.5": Variant("ext1.5", predict="ext", pc=1.5),
+    "ext2": Variant("ext2", predict="ext", pc=2.0),
+    "nag": Variant("nag", predict="nag", pc=1.0),
+    "nag2": Variant("nag2", predict="nag", pc=2.0),
+    "ef": Variant("ef", predict="ef", pc=0.5),
 }
 
 
@@ -142,6 +163,28 @@ def _bc(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.view(-1, *([1] * (like.dim() - 1)))
 
 
+def predict_next(kind: Dict[str, torch.Tensor], pc: torch.Tensor, theta, prev, point, m, v, t: int, lr: float,
+                 s: Setting, decay: Dict[str, bool]):
+    """Each one-round run's P_{t+1} (module docstring) from what round t-1 leaves on every rank: θ_t, θ_{t-1},
+    P_t and AdamW's m_t, v_t; a run whose predictor is "dpu" (or none) gets θ_t."""
+    out = {}
+    for n, th in theta.items():
+        d = th - prev[n]
+        c = _bc(pc, th)
+        p = th
+        if bool(kind["ext"].any()):
+            p = torch.where(_bc(kind["ext"], th), th + c * d, p)
+        if bool(kind["ef"].any()):
+            p = torch.where(_bc(kind["ef"], th), th + d + c * (th - point[n]), p)
+        if bool(kind["nag"].any()) and t >= 1:  # no committed state before the first commit: P_1 = θ_0
+            wd = s.weight_decay if decay[n] else 0.0
+            mhat = m[n] / (1 - s.beta1 ** t)
+            vhat = v[n] / (1 - s.beta2 ** t)
+            p = torch.where(_bc(kind["nag"], th), th - (c * lr) * (wd * th + mhat / (vhat.sqrt() + s.eps)), p)
+        out[n] = p
+    return out
+
+
 def lr_schedule(s: Setting) -> List[float]:
     """DeepSpeed's WarmupCosineLR as the fidelity runs configure it, stepped once per step."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
@@ -162,8 +205,9 @@ def _splits(seq_len: int, corpus: str = "embedded"):
     return build_splits(corpus, seq_len=seq_len, holdout=0.02, seed=0)
 
 
-def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> List[dict]:
-    """Train every (variant name, seed) of ``runs`` under ``setting``; their records."""
+def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None, trace=None) -> List[dict]:
+    """Train every (variant name, seed) of ``runs`` under ``setting``; their records. ``trace``, a list:
+    gets per step t the stacked points of the two halves and θ_{t+1} (CPU copies, for the tests)."""
     from benchmarks.data import heldout_batches, micro_batches
     from benchmarks.gpt import CausalLM
     s = setting
@@ -205,8 +249,16 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
     c = torch.tensor([v.lr_scale for v in variants], **f32)
     keep_v = torch.tensor([v.keep_v for v in variants], device=dev)
     dc = torch.tensor([v.dc for v in variants], **f32)
+    for v_ in variants:
+        if v_.predict and v_.predict not in PREDICTORS:
+            raise ValueError(f"variant {v_.name}: predictor {v_.predict!r} is none of {PREDICTORS}")
+    one = torch.tensor([bool(v_.predict) for v_ in variants], device=dev)  # one-round runs
+    any_one = bool(one.any())
+    kind = {k: torch.tensor([v_.predict == k for v_ in variants], device=dev) for k in PREDICTORS}
+    pc = torch.tensor([v_.pc for v_ in variants], **f32)
     theta = {n: st.p[n].detach().clone() for n in names}
-    est = {n: t.clone() for n, t in theta.items()}  # θ̃_0 = θ_0
+    est = {n: t.clone() for n, t in theta.items()}  # θ̃_0 = θ_0 (one-round runs: P_0 = θ_0)
+    prev = theta  # θ_{t-1}, θ_{-1} = θ_0
     m = {n: torch.zeros_like(t) for n, t in theta.items()}
     v = {n: torch.zeros_like(t) for n, t in theta.items()}
     lag = torch.zeros(s.steps, R, **f32)
@@ -228,7 +280,11 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
         sync = stock | (warm > t)  # [R]: this step runs stock's schedule
         first_at = {n: torch.where(_bc(sync, theta[n]), theta[n], est[n]) for n in names}
         g1, _ = st.grads_at(first_at, data[:, t, 0])
-        g2, _ = st.grads_at(theta, data[:, t, 1])
+        # one-round runs: the second half too at P_t (est holds it)
+        second_at = {n: torch.where(_bc(one, theta[n]), est[n], theta[n]) for n in names} if any_one else theta
+        g2, _ = st.grads_at(second_at, data[:, t, 1])
+        if any_one:  # P_{t+1} from what round t-1 left: θ_t, θ_{t-1}, P_t, S_t (before this step's commit)
+            pred = predict_next(kind, pc, theta, prev, est, m, v, t, lr, s, decay)
         # the estimate: Opt(θ_t, S_t, clip(ḡ̃)) with lr·c, state discarded
         f1 = clip_divisor(g1)
         step_next = t + 1  # AdamW's step count after this step's commit
@@ -264,14 +320,20 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None) -> Li
             v[n] = v[n] * b2 + (1 - b2) * g * g
             denom = v[n].sqrt() / math.sqrt(bc2) + eps
             new_theta[n] = p - (lr / bc1) * m[n] / denom
-        # lag of the estimate against the commit it stood for
+        if any_one:
+            new_est = {n: torch.where(_bc(one, new_est[n]), pred[n], new_est[n]) for n in names}
+        if trace is not None:
+            trace.append({"first_at": {n: x.detach().cpu().clone() for n, x in first_at.items()},
+                          "second_at": {n: x.detach().cpu().clone() for n, x in second_at.items()},
+                          "theta_next": {n: x.detach().cpu().clone() for n, x in new_theta.items()}})
+        # lag of the estimate (one-round runs: the prediction) against the commit it stood for
         d2 = sum(_rsum((new_est[n] - new_theta[n]) ** 2) for n in names)
         u2 = sum(_rsum((new_theta[n] - theta[n]) ** 2) for n in names)
         e2 = sum(_rsum((new_est[n] - theta[n]) ** 2) for n in names)
         eu = sum(_rsum((new_est[n] - theta[n]) * (new_theta[n] - theta[n])) for n in names)
         lag[t] = d2.sqrt() / u2.sqrt().clamp_min(1e-30)
         cos[t] = eu / (e2.sqrt() * u2.sqrt()).clamp_min(1e-30)
-        theta = new_theta
+        prev, theta = theta, new_theta
         # stock (and warm-up) runs: the next first half is at θ_{t+1}; ACCO runs: at θ̃_{t+1}
         est = new_est
         if (t + 1) % s.eval_every == 0:
