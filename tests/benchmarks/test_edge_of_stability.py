@@ -1,0 +1,31 @@
+"""The edge-of-stability table's two verdicts (benchmarks/edge_of_stability.py): spikes and divergence."""
+import math
+
+from benchmarks.edge_of_stability import diverged, spikes, table
+
+
+def curve(*losses):
+    return [(25 * (i + 1), x) for i, x in enumerate(losses)]
+
+
+def test_a_spike_is_an_evaluation_above_1_1x_the_lowest_before_it():
+    assert spikes(curve(5.0, 4.0, 4.39, 3.0)) == 0  # 4.39 < 1.1 x 4.0
+    assert spikes(curve(5.0, 4.0, 4.41, 3.0, 3.31, 3.2)) == 2  # 4.41 > 4.4 and 3.31 > 3.3
+    assert spikes(curve(5.0, 6.0)) == 1  # above its first evaluation
+
+
+def test_a_run_diverged_when_it_ends_no_lower_than_its_first_evaluation_or_not_finite():
+    assert not diverged(curve(5.0, 9.0, 4.9))
+    assert diverged(curve(5.0, 3.0, 5.0))
+    assert diverged(curve(5.0, math.nan, 3.0))
+    assert diverged(curve(5.0, 3.0, math.inf))
+
+
+def test_the_table_pairs_each_run_with_stocks_on_its_seed():
+    runs = [{"variant": "stock", "seed": 0, "tail_mean": 4.0, "heldout": curve(5.0, 4.0)},
+            {"variant": "stock", "seed": 1, "tail_mean": 2.0, "heldout": curve(5.0, 2.0)},
+            {"variant": "la2", "seed": 0, "tail_mean": 3.0, "heldout": curve(5.0, 3.0)},
+            {"variant": "la2", "seed": 1, "tail_mean": 3.0, "heldout": curve(5.0, 6.0)}]
+    out = table([{"size": "small", "lr_mult": 8, "steps": 300, "runs": runs}])
+    # seed 0: -25%, seed 1: +50% (not pooled: each against its own seed's stock); seed 1 diverged and spiked
+    assert "| small LR x8, 300 steps | 2 | la2 | +12.50% [-25.00, +50.00] | 1 of 2 | 0, 1 |" in out
