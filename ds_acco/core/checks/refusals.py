@@ -61,6 +61,15 @@ class AccoRefusal(ValueError):
         self.row = row
         self.refusal = row.key
 
+    def __reduce__(self):
+        # Pickle / copy (a process pool, a launcher) rebuild it from the message and the row's key:
+        # the row itself is not picklable (layout rows hold lambdas) and is the table's anyway.
+        return _rebuilt, (type(self), str(self.args[0]), self.refusal)
+
+
+def _rebuilt(cls, message: str, key: str) -> AccoRefusal:
+    return cls(message, REFUSALS[key])
+
 
 def _fill(text: str, **fields) -> str:
     # Not str.format: the texts quote JSON ({"stage": 1}), whose braces are not fields.
