@@ -214,12 +214,16 @@ def test_config_errors(runs):
     ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 3}, 3),
     ({"train_batch_size": 50}, "train_batch_size = 50 is not a multiple"),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu = 0"),
-    ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu = True")])
+    ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu = True"),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 2}, r"train_batch_size = 48 != .* = 2 x 8 x 2 = 32")])
 def test_the_micro_batch_size_is_read_as_deepspeed_reads_it(config, want):
     # gradient_accumulation_steps 8 x 2 ranks: train_batch_size 48 is 3 samples per micro-batch
+    from ds_acco.core.checks.refusals import REFUSALS, AccoRefusal
     from ds_acco.fsdp.host import micro_batch_size
     if isinstance(want, int):
         assert micro_batch_size(config, 8, 2) == want
     else:
-        with pytest.raises(ValueError, match=want):
+        with pytest.raises(AccoRefusal, match=want) as caught:
             micro_batch_size(config, 8, 2)
+        assert caught.value.refusal == "fsdp_batch_size" and caught.value.row is REFUSALS["fsdp_batch_size"]
+        assert "fix: set train_micro_batch_size_per_gpu" in str(caught.value)

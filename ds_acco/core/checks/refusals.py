@@ -273,6 +273,12 @@ _ROWS = (
             "param_dtype)", "use a narrower one (e.g. 'bf16') or remove it", form="{found} {why}; fix: {fix}"),
     Refusal("fsdp_post_forward_mesh", "sharded_params with an integer reshard_after_forward", "not supported",
             "fully_shard with reshard_after_forward=True (or False)"),
+    Refusal("fsdp_batch_size", "train_batch_size / train_micro_batch_size_per_gpu that DeepSpeed would not run",
+            "DeepSpeed reads train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x the "
+            "data-parallel size, with a whole number >= 1 of samples per micro-batch (AccoFSDP counts "
+            "global_samples by it)",
+            "set train_micro_batch_size_per_gpu to an integer >= 1 and train_batch_size to that product (or remove "
+            "train_batch_size)"),
     Refusal("fsdp_sharded_params_optimizer", "sharded_params with an optimizer that has no functional step",
             "its estimate would take a real step on the shards FSDP all-gathers from during that phase (only torch "
             "SGD / Adam / AdamW have a functional step)",
