@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-from fixtures import TinyNet, batch, make_optimizer, make_scheduler
+from fixtures import MICRO, TinyNet, batch, make_optimizer, make_scheduler
 from reference import mode_references, nearest_own_reference, reference_replay, reference_run
 from timeouts import scaled
 import fsdp_workers
@@ -196,6 +196,15 @@ def test_checkpoint_resume_is_exact(runs):
     assert runs["ckpt"][0]["files"] == sorted(f"mb{i}" for i in SAVE_AT)  # no scratch dirs left
     assert runs["ckpt"][0]["swapped_saves"]  # a save exported the swapped state (commit in flight)
 
+
+
+def test_a_checkpoint_without_global_samples_loads_the_samples_fixed_accumulation_committed(runs):
+    """A checkpoint written before global_samples was saved loads global_steps x micro-batch samples x
+    gradient_accumulation_steps x data-parallel size (not 0): the same count the saved one holds."""
+    for rank_out in runs["ckpt"]:
+        saved, old = rank_out[SAVE_AT[-1]], rank_out["old_format"]
+        assert old["loaded_steps"] == saved["loaded_steps"] > 0
+        assert old["loaded_samples"] == saved["loaded_samples"] == saved["loaded_steps"] * MICRO * GAS * 2
 
 def test_config_errors(runs):
     e = runs["errors"]
