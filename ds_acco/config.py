@@ -191,8 +191,10 @@ class AccoConfig(BaseModel):
         try:
             cfg = cls.model_validate(cls._coerce(block))
         except ValidationError as exc:
-            raise _refused("acco_unknown_key" if exc.errors()[0]["type"] == "extra_forbidden" else
-                           "acco_invalid_value", _explain(exc, block)) from None
+            # Several errors: an unknown key decides the row (the likelier typo, and it leaves a setting at
+            # its default); the message lists every error.
+            unknown = any(e["type"] == "extra_forbidden" for e in exc.errors())
+            raise _refused("acco_unknown_key" if unknown else "acco_invalid_value", _explain(exc, block)) from None
         if cfg.dynamic is not None and cfg.accumulation != "dynamic":
             raise _refused("acco_no_effect", f"acco.dynamic = {block.get('dynamic')!r} has no effect with "
                            f"acco.accumulation = {cfg.accumulation!r}; fix: set \"accumulation\": \"dynamic\" or "

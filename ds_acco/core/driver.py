@@ -71,13 +71,11 @@ def check_weight(weighting: str, weight: Optional[float], call: str) -> float:
     """A micro-batch's weight under ``acco.weighting``; errors name the call and the fix."""
     if weighting == "micro_batch":
         if weight is not None:
-            raise ValueError(f"{call}(..., weight={weight!r}) with acco.weighting = 'micro_batch': every "
-                             "micro-batch weighs 1; fix: set acco.weighting to 'sample' or 'token', or drop weight")
+            raise refuse("weight_unweighted", f"{call}(..., weight={weight!r}) with acco.weighting = 'micro_batch'")
         return 1.0
     if weight is None or not (float(weight) >= 0):
-        raise ValueError(f"acco.weighting = {weighting!r} needs {call}(loss, weight=n) with the micro-batch's "
-                         f"{weighting} count n >= 0 (got weight={weight!r}); the loss must be the sum over "
-                         f"{weighting}s, not their mean")
+        raise refuse("weighting_needs_weight", f"acco.weighting = {weighting!r} needs {call}(loss, weight=n) with the "
+                     f"micro-batch's {weighting} count n >= 0 (got weight={weight!r})", weighting=weighting, call=call)
     return float(weight)
 
 
@@ -283,8 +281,7 @@ class AccoDriver:
         if self.config.sigterm == "off":
             return
         if threading.current_thread() is not threading.main_thread():
-            raise ValueError("acco.sigterm needs the engine to be built on the main thread (signal handlers); "
-                             "fix: set \"sigterm\": \"off\"")
+            raise refuse("sigterm_main_thread", "acco.sigterm needs the engine to be built on the main thread")
         self._stop_save = save
         self._stop_dir = checkpoint_dir or self.config.sigterm_checkpoint_dir
         previous = signal.getsignal(signal.SIGTERM)

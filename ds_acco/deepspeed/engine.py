@@ -152,8 +152,8 @@ class AccoEngine(DeepSpeedEngine):
         driver = self._acco_driver()
         if driver is None:
             if weight is not None:
-                raise ValueError("engine.backward(..., weight=...) needs an enabled \"acco\" block with "
-                                 "weighting 'sample' or 'token'")
+                raise refuse("weight_unweighted", f"engine.backward(..., weight={weight!r}) without an enabled "
+                                                  "\"acco\" block")
             return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         if not scale_wrt_gas:
             raise refuse("unscaled_backward", "engine.backward(..., scale_wrt_gas=False) with ACCO")

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..config import acco_config_of
 from ..config_deepspeed import load_ds_config
 from ..core.checks.built import Built, check_built
-from ..core.checks.refusals import check_lockstep, check_schedule_compat
+from ..core.checks.refusals import check_lockstep, check_schedule_compat, refuse
 from ..core.driver import AccoDriver, check_same_on_all_ranks
 from ..core.round.buffers import estimate_comm_dtype
 from ..core.round.rounds import RoundResult
@@ -79,9 +79,7 @@ class AccoFSDP:
             raise ValueError("AccoFSDP needs a config (a dict or a JSON path) with an \"acco\" block")
         acco = acco_config_of(raw)
         if not acco.enabled:
-            raise ValueError(f"acco.enabled = {acco.enabled}: AccoFSDP always runs ACCO/DPU; fix: set \"acco\": "
-                             "{\"enabled\": true, ...}, or train the FSDP model with its own loop for the stock "
-                             "baseline")
+            raise refuse("fsdp_disabled", f"acco.enabled = {acco.enabled}")
         gas = raw.get("gradient_accumulation_steps", 1)
         if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
             raise ValueError(f"gradient_accumulation_steps = {gas!r}: must be an integer >= 1")

@@ -146,7 +146,10 @@ def load(acco, path: str) -> None:
         acco.lr_scheduler.load_state_dict(extras["lr_scheduler"])
     acco.global_steps = extras["global_steps"]
     acco.skipped_steps = extras["skipped_steps"]
-    acco.global_samples = extras.get("global_samples", 0)  # absent from checkpoints written before it was counted
+    acco.global_samples = extras.get("global_samples")
+    if acco.global_samples is None:  # written before it was counted: what fixed accumulation committed
+        acco.global_samples = (acco.global_steps * acco.driver.host.micro_batch_size * acco.gradient_accumulation_steps
+                               * dist.get_world_size(group))
     if acco.loss_scaler is not None and extras.get("loss_scaler"):
         vars(acco.loss_scaler).update(extras["loss_scaler"])  # scale, iteration, hysteresis
     try:

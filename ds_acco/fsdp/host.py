@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from ..core.checks.refusals import refuse
 from ..core.lifecycle.host import CommitEvent, forwarded, publish_commit
 
 logger = logging.getLogger(__name__)
@@ -75,17 +76,26 @@ class FSDPHost:
 def micro_batch_size(config: dict, gradient_accumulation_steps: int, world: int) -> int:
     """The samples of one micro-batch, as DeepSpeed reads them from its config:
     ``train_micro_batch_size_per_gpu``, else ``train_batch_size`` / (``gradient_accumulation_steps`` x
-    the data-parallel size); with neither, 1 (a micro-batch counts as one sample)."""
+    the data-parallel size); with neither, 1 (a micro-batch counts as one sample). Values DeepSpeed
+    would not run (not a whole number >= 1 per micro-batch, or both keys given and disagreeing) are
+    refused (row ``fsdp_batch_size``)."""
     micro, train = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
+    per_rank = gradient_accumulation_steps * world
     if micro is None and train is not None:
-        per_rank = gradient_accumulation_steps * world
-        if isinstance(train, int) and not isinstance(train, bool) and train % per_rank == 0:
-            micro = train // per_rank
-        else:
-            raise ValueError(f"train_batch_size = {train!r} is not a multiple of gradient_accumulation_steps x "
-                             f"data-parallel size = {per_rank}; fix: set train_micro_batch_size_per_gpu")
+        if not _whole(train) or train % per_rank:
+            raise refuse("fsdp_batch_size", f"train_batch_size = {train!r} is not a multiple of "
+                                            f"gradient_accumulation_steps x data-parallel size = {per_rank}")
+        micro = train // per_rank
     if micro is None:
         return 1
-    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
-        raise ValueError(f"train_micro_batch_size_per_gpu = {micro!r}: must be an integer >= 1")
+    if not _whole(micro) or micro < 1:
+        raise refuse("fsdp_batch_size", f"train_micro_batch_size_per_gpu = {micro!r} is not an integer >= 1")
+    if train is not None and train != micro * per_rank:  # DeepSpeed's own batch assertion
+        raise refuse("fsdp_batch_size", f"train_batch_size = {train!r} != train_micro_batch_size_per_gpu x "
+                                        f"gradient_accumulation_steps x data-parallel size = {micro} x "
+                                        f"{gradient_accumulation_steps} x {world} = {micro * per_rank}")
     return micro
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

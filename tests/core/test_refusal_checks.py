@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_acco.config import AccoConfig
-from ds_acco.core.checks.refusals import check_estimate_dtype, check_estimate_variant, check_fsdp_model
+from ds_acco.core.checks.built import check_estimate_dtype, check_estimate_variant, check_fsdp_model
 from ds_acco.core.step.shard_optimizer import ShardOptimizer
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

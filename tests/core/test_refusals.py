@@ -61,3 +61,27 @@ def test_ranks_that_differ_read_as_they_always_did():
     error = refuse("ranks_differ", "ACCO settings", lines=lines)
     assert error.refusal == "ranks_differ"
     assert str(error) == f"ACCO settings differs between ranks: {lines}; fix: give every rank the same config"
+
+
+
+def _raised(call):
+    with pytest.raises(AccoRefusal) as caught:
+        call()
+    return caught.value
+
+
+@pytest.mark.parametrize("call, key", [
+    # a layout row: its found_in lambda cannot be pickled, so the row must not travel
+    (lambda: check_layout(AccoConfig(enabled=True), ParallelLayout(pipeline_parallel=2, pipeline_parallel_from="pp")),
+     "pipeline_parallel"),
+    (lambda: AccoConfig.from_block({"enabled": True, "acumulation": "dynamic"}), "acco_unknown_key"),
+])
+def test_a_refusal_survives_pickle_and_copy(call, key):
+    """A process pool or launcher sends exceptions between processes by pickle: the twin is rebuilt from
+    its message and its row's key, through the table."""
+    import copy
+    import pickle
+    error = _raised(call)
+    for twin in (pickle.loads(pickle.dumps(error)), copy.copy(error), copy.deepcopy(error)):
+        assert type(twin) is AccoRefusal and str(twin) == str(error) and twin.args == error.args
+        assert twin.refusal == key and twin.row is REFUSALS[key]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 
 import torch
@@ -136,9 +137,10 @@ def run(case):
     return out
 
 
-def checkpoint_runs(case, ckpt_dir, save_at, total):
+def checkpoint_runs(case, ckpt_dir, save_at, total, old_format=False):
     """One run saving after each micro-batch in ``save_at``; then, per save, a fresh model that
-    loads it and trains on to ``total`` micro-batches."""
+    loads it and trains on to ``total`` micro-batches. ``old_format``: also load the last save as a
+    checkpoint written before ``global_samples`` was saved (without that key)."""
     model, acco = build(case)
     swapped = []
 
@@ -159,13 +161,35 @@ def checkpoint_runs(case, ckpt_dir, save_at, total):
     for i in save_at:
         model, acco = build(case)
         acco.load_checkpoint(os.path.join(ckpt_dir, f"mb{i}"))
-        steps_loaded = acco.global_steps
+        steps_loaded, samples_loaded = acco.global_steps, acco.global_samples
         losses = feed(model, acco, i + 1, total)
         with ds_acco.committed_weights(acco):
             final = live_snapshot(model)
-        out[i] = {"losses": losses, "final": final, "global_steps": acco.global_steps, "loaded_steps": steps_loaded}
+        out[i] = {"losses": losses, "final": final, "global_steps": acco.global_steps, "loaded_steps": steps_loaded,
+                  "loaded_samples": samples_loaded}
         acco.close()
+    if old_format:
+        out["old_format"] = _load_without_global_samples(case, os.path.join(ckpt_dir, f"mb{save_at[-1]}"),
+                                                         ckpt_dir + "_old")
     out["files"] = sorted(os.listdir(ckpt_dir))
+    return out
+
+
+def _load_without_global_samples(case, path, old_dir):
+    """Load a copy of checkpoint ``path`` whose rank files lack ``global_samples`` (as written before it
+    was counted): the global steps and samples it loads."""
+    if _rank() == 0:
+        shutil.copytree(path, old_dir)
+        for name in os.listdir(old_dir):
+            if name.startswith("acco_rank"):
+                extras = torch.load(os.path.join(old_dir, name), weights_only=False)
+                del extras["global_samples"]
+                torch.save(extras, os.path.join(old_dir, name))
+    dist.barrier()
+    model, acco = build(case)
+    acco.load_checkpoint(old_dir)
+    out = {"loaded_steps": acco.global_steps, "loaded_samples": acco.global_samples}
+    acco.close()
     return out
 
 
@@ -257,7 +281,7 @@ def everything(ds_cases, fsdp_cases, ckpt_case, ckpt_dir, save_at, total):
     t0 = time.perf_counter()
     out["fsdp"] = [run(c) for c in fsdp_cases]
     out["fsdp_s"] = time.perf_counter() - t0
-    out["ckpt"] = checkpoint_runs(ckpt_case, ckpt_dir, save_at, total)
+    out["ckpt"] = checkpoint_runs(ckpt_case, ckpt_dir, save_at, total, old_format=True)
     out["errors"] = config_errors()
     return out
 

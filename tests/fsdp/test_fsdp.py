@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-from fixtures import TinyNet, batch, make_optimizer, make_scheduler
+from fixtures import MICRO, TinyNet, batch, make_optimizer, make_scheduler
 from reference import mode_references, nearest_own_reference, reference_replay, reference_run
 from timeouts import scaled
 import fsdp_workers
@@ -197,6 +197,15 @@ def test_checkpoint_resume_is_exact(runs):
     assert runs["ckpt"][0]["swapped_saves"]  # a save exported the swapped state (commit in flight)
 
 
+
+def test_a_checkpoint_without_global_samples_loads_the_samples_fixed_accumulation_committed(runs):
+    """A checkpoint written before global_samples was saved loads global_steps x micro-batch samples x
+    gradient_accumulation_steps x data-parallel size (not 0): the same count the saved one holds."""
+    for rank_out in runs["ckpt"]:
+        saved, old = rank_out[SAVE_AT[-1]], rank_out["old_format"]
+        assert old["loaded_steps"] == saved["loaded_steps"] > 0
+        assert old["loaded_samples"] == saved["loaded_samples"] == saved["loaded_steps"] * MICRO * GAS * 2
+
 def test_config_errors(runs):
     e = runs["errors"]
     assert "gradient_accumulation_steps = 3" in e["odd_gas"] and "even" in e["odd_gas"]
@@ -214,12 +223,16 @@ def test_config_errors(runs):
     ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 3}, 3),
     ({"train_batch_size": 50}, "train_batch_size = 50 is not a multiple"),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu = 0"),
-    ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu = True")])
+    ({"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu = True"),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 2}, r"train_batch_size = 48 != .* = 2 x 8 x 2 = 32")])
 def test_the_micro_batch_size_is_read_as_deepspeed_reads_it(config, want):
     # gradient_accumulation_steps 8 x 2 ranks: train_batch_size 48 is 3 samples per micro-batch
+    from ds_acco.core.checks.refusals import REFUSALS, AccoRefusal
     from ds_acco.fsdp.host import micro_batch_size
     if isinstance(want, int):
         assert micro_batch_size(config, 8, 2) == want
     else:
-        with pytest.raises(ValueError, match=want):
+        with pytest.raises(AccoRefusal, match=want) as caught:
             micro_batch_size(config, 8, 2)
+        assert caught.value.refusal == "fsdp_batch_size" and caught.value.row is REFUSALS["fsdp_batch_size"]
+        assert "fix: set train_micro_batch_size_per_gpu" in str(caught.value)

@@ -193,3 +193,15 @@ def test_the_opt_out_reads_off_only():
     for value in ("on", "1", "stock"):
         with pytest.raises(ValueError, match=f"DS_ACCO = '{value}': unknown value; fix: DS_ACCO=off"):
             opted_out({"DS_ACCO": value})
+
+
+def test_a_block_with_an_unknown_key_and_an_invalid_value_is_refused_as_the_unknown_key():
+    """The row is chosen by a rule, not by pydantic's first error: an unknown key first (the likelier
+    typo); the message still names both."""
+    from ds_acco.core.checks.refusals import REFUSALS, AccoRefusal
+    for block in ({"enabled": "yes", "zzz": 1}, {"zzz": 1, "enabled": "yes"},
+                  {"metrics": {"log_evry": 1}, "chunk_elements": 7}):
+        with pytest.raises(AccoRefusal) as caught:
+            AccoConfig.from_block(block)
+        assert caught.value.refusal == "acco_unknown_key" and caught.value.row is REFUSALS["acco_unknown_key"]
+        assert "unknown key" in str(caught.value) and "fix: set a valid value" in str(caught.value)

@@ -4,10 +4,13 @@ point that meets it (``ds_acco.initialize``'s check of what the caller passed, D
 config, the config model's own validation, the checks an adapter runs on what it built). A warning is
 not a row of the table and is never raised. Single process, no engine built: each trigger is refused
 before anything distributed exists."""
+import ast
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,9 +19,11 @@ import ds_acco
 from ds_acco.config import AccoConfig
 from ds_acco.config_deepspeed import deepspeed_config_at
 from ds_acco.config_keys import check_deepspeed_compat
-from ds_acco.core.checks import refusals
+from ds_acco.core.checks import built, refusals
 from ds_acco.core.checks.refusals import REFUSALS, AccoRefusal
 from ds_acco.core.checks.warning_rows import WARNINGS, one_queue_serialisation
+from ds_acco.core.driver import AccoDriver, check_weight
+from ds_acco.fsdp import AccoFSDP
 from fixtures import TinyNet, ds_config, make_optimizer
 from timeouts import scaled
 
@@ -87,12 +92,33 @@ TRIGGERS = {
     "hybrid_engine": _deepspeed(hybrid_engine={"enabled": True}),
     # what an adapter built (check point 2), fed to the checks it calls
     "lockstep": lambda: refusals.check_lockstep(AccoConfig(**DYN), "FSDP's all-gathers"),
-    "fsdp_mesh": lambda: refusals.check_fsdp_model(
+    "fsdp_mesh": lambda: built.check_fsdp_model(
         one_mesh=False, reduce_dtypes=[torch.float32], param_dtypes=[torch.float32], loss_scaling=False,
         estimate_comm_dtype=None, estimate_dtype=None),
-    "estimate_dtype_deepspeed": lambda: refusals.check_estimate_dtype(
+    "estimate_dtype_deepspeed": lambda: built.check_estimate_dtype(
         "estimate_dtype_deepspeed", "fp32", torch.float32, torch.bfloat16),
+    # calls whose arguments or setting ACCO does not run
+    "weight_unweighted": lambda: check_weight("micro_batch", 3.0, "backward"),
+    "weighting_needs_weight": lambda: check_weight("sample", None, "backward"),
+    "sigterm_main_thread": lambda: _off_the_main_thread(
+        lambda: AccoDriver.install_sigterm(SimpleNamespace(config=AccoConfig(enabled=True, sigterm="stop")), None)),
+    "fsdp_disabled": lambda: AccoFSDP(torch.nn.Linear(2, 2), None, {"acco": {"enabled": False}}),
 }
+
+
+def _off_the_main_thread(call):
+    errors = []
+    thread = threading.Thread(target=lambda: _catch(call, errors))
+    thread.start()
+    thread.join()
+    raise errors[0]
+
+
+def _catch(call, errors):
+    try:
+        call()
+    except Exception as error:  # handed to the main thread
+        errors.append(error)
 
 
 def test_every_trigger_names_a_row():
@@ -139,3 +165,62 @@ def test_the_config_imports_without_the_core():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled(100))
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
+
+
+# -- structural: no refusal outside the table -----------------------------------------------------------------
+# A ``raise ValueError(...)`` in ds_acco/ whose message says "fix:" is a refusal that bypasses the table,
+# unless it checks plain input (a wrong type or value for an argument, how torch.distributed was set up, a
+# checkpoint this version cannot read) or sits in a room below the table (tests/package/test_layering.py).
+# (file, the message's first words) -> why it stays a ValueError.
+PLAIN_INPUT = {
+    ("ds_acco/cli.py", " = "): "the command line contradicts the config it is given (--gas with the key set)",
+    ("ds_acco/config_deepspeed.py", "--world-size "): "the check command's --world-size argument",
+    ("ds_acco/config_deepspeed.py", "train_batch_size = "): "the check command's --world-size against the config's "
+                                                           "batch (DeepSpeed refuses the batch itself at initialize)",
+    ("ds_acco/config_routing.py", " = : unknown value"): "an environment variable's unknown value",
+    ("ds_acco/comm/groups.py", "ACCO: the data-parallel group"): "how the default process group was initialised; "
+                                                                 "comm imports no core (layering)",
+    ("ds_acco/core/round/report.py", "a table of "): "a checkpoint or peer table this version cannot read",
+    ("ds_acco/core/round/report.py", "ACCO in-flight state"): "a checkpoint this version cannot read",
+    ("ds_acco/core/step/chunking.py", "chunk_elements = "): "a function argument out of range",
+    ("ds_acco/core/step/functional_step.py", "'s param group "): "the lane's backstop (step room, below the table); "
+                                                                 "check point 2 refuses it first: "
+                                                                 "estimate_lr_scale_without_lr",
+    ("ds_acco/core/step/shard_optimizer.py", ""): "the step room lies below the table (layering); found by probing "
+                                                  "the optimizer at its first own-settings round",
+    ("ds_acco/fsdp/adapter.py", "AccoFSDP needs a model sharded"): "a wrong type for the model argument",
+    ("ds_acco/fsdp/adapter.py", "torch.distributed is not initialized"): "torch.distributed not initialised",
+    ("ds_acco/fsdp/adapter.py", "the model has no trainable FSDP"): "a model with nothing to train",
+    ("ds_acco/fsdp/adapter.py", "the optimizer must own exactly"): "an optimizer built over other parameters",
+}
+
+
+def _strings(node) -> str:
+    return "".join(c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str))
+
+
+def _value_errors_with_a_fix():
+    """(file, line, message text) of each ``raise ValueError(...)`` whose message (its literals, and those of
+    a helper of the same module it calls to build the message) says "fix:"."""
+    for path in sorted((ROOT / "ds_acco").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        helpers = {f.name: _strings(f) for f in tree.body if isinstance(f, ast.FunctionDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                    getattr(node.exc.func, "id", None) == "ValueError":
+                called = [helpers.get(getattr(c.func, "id", None), "") for c in ast.walk(node.exc)
+                          if isinstance(c, ast.Call) and c is not node.exc]
+                text = _strings(node.exc) + "".join(called)
+                if "fix:" in text:
+                    yield str(path.relative_to(ROOT)), node.lineno, text
+
+
+def test_no_refusal_is_a_bare_value_error():
+    """Every "fix:" a ValueError gives is a row of the table raised through ``refuse()`` (an AccoRefusal),
+    except the plain-input checks named in PLAIN_INPUT with the reason they stay."""
+    found = list(_value_errors_with_a_fix())
+    bare = [f"{p}:{line}: {text[:80]!r}" for p, line, text in found
+            if not any(p == f and text.startswith(start) for f, start in PLAIN_INPUT)]
+    assert not bare, "refusals outside the table (make them rows raised via refuse()):\n" + "\n".join(bare)
+    used = {(f, start) for f, start in PLAIN_INPUT for p, _, text in found if p == f and text.startswith(start)}
+    assert used == set(PLAIN_INPUT), f"stale PLAIN_INPUT entries: {set(PLAIN_INPUT) - used}"

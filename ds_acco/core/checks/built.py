@@ -3,18 +3,19 @@ adapter built, in one call made before its driver exists (no rounds group, no la
 
 An adapter fills one :class:`Built` record with plain values and objects of the step room (the shard
 optimizer) and calls :func:`check_built` once; the driver, the schedule and the rounds below it trust
-what they are handed. Rows are checked in the order the table (:data:`.refusals.REFUSALS`) reads them.
+what they are handed. Rows are checked in the order the table (:data:`.refusals.REFUSALS`) reads them;
+the checks of each part (the optimizer's estimate, the dtypes, FSDP2's parameters) follow it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from .layout import ParallelLayout
-from .refusals import check_estimate_dtype, check_estimate_variant, check_fsdp_model, check_layout, \
-    check_lr_scaled, refuse
+from ..step.functional_step import scalable_lr
+from .refusals import check_layout, refuse
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Built:
     over this rank's shards (its capabilities: a functional step, Adam's second moment, the groups' rates);
     ``comm_dtype`` / ``estimate_dtype``: the rounds' communication dtype and the estimate round's
     (``estimate_dtype_row``: the adapter's row for it); ``layout``: DeepSpeed's groups as its engine built
-    them; ``fsdp``: FSDP2's parameters as :func:`.refusals.check_fsdp_model` reads them (its keywords);
+    them; ``fsdp``: FSDP2's parameters as :func:`check_fsdp_model` reads them (its keywords);
     ``needs_functional``: a refusal key whose layout needs a functional step (FSDP's ``sharded_params``)."""
 
     shard_optimizer: Any = None
@@ -61,3 +62,58 @@ def check_built(acco, built: Built) -> None:
         check_fsdp_model(**built.fsdp)
     if built.needs_functional and shard is not None and not shard.functional:
         raise refuse(built.needs_functional, built.needs_functional_found)
+
+
+# -- the checks of what was built, by part -------------------------------------------------------------
+def check_estimate_variant(estimate, shard_optimizer, rounds: bool = True) -> None:
+    """Adam's second moment read by an estimate variant needs torch Adam / AdamW (functional), a scaled
+    estimate a rate in every group (:func:`check_lr_scaled`); ``rounds``: the mode has estimate rounds."""
+    needs = [f"second_moment = {estimate.second_moment!r}"] if estimate.second_moment == "committed" else []
+    if estimate.delay_compensation:
+        needs.append(f"delay_compensation = {estimate.delay_compensation!r}")
+    if needs and not shard_optimizer.committed_second_moment:
+        raise refuse("estimate_variant_optimizer", f"acco.estimate.{' and '.join(needs)}",
+                     optimizer=type(shard_optimizer.optimizer).__name__)
+    if rounds and estimate.lr_scale != 1.0:
+        check_lr_scaled(f"acco.estimate.lr_scale = {estimate.lr_scale!r}", '"estimate": "paper"', shard_optimizer)
+
+
+def check_lr_scaled(found: str, unscaled: str, shard_optimizer) -> None:
+    """``found`` scales a round's learning rate (``unscaled``: the setting that does not): every group
+    needs a rate the round's step can scale (the lane's own test, ``scalable_lr``)."""
+    for i, group in enumerate(shard_optimizer.optimizer.param_groups):
+        if not scalable_lr(group.get("lr")):
+            raise refuse("estimate_lr_scale_without_lr", found, optimizer=type(shard_optimizer.optimizer).__name__,
+                         group=i, lr=repr(group.get("lr")), unscaled=unscaled)
+
+
+def check_estimate_dtype(key: str, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],
+                         comm_dtype: torch.dtype) -> None:
+    """An estimate round narrower than (or as wide as) the rounds' communication dtype; ``key``: the
+    adapter's row (its fix names its own setting)."""
+    if estimate_dtype is not None and estimate_dtype.itemsize > comm_dtype.itemsize:
+        raise refuse(key, f"acco.estimate_comm_dtype = {estimate_comm_dtype!r}", comm_dtype=comm_dtype)
+
+
+def check_fsdp_model(*, one_mesh: bool, reduce_dtypes: Iterable[torch.dtype], param_dtypes: Iterable[torch.dtype],
+                     loss_scaling: bool, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],
+                     post_forward_mesh: bool = False) -> None:
+    """What ``AccoFSDP`` took over: whether every parameter is on one device mesh, the parameters'
+    reduce and compute dtypes, whether the config asks for fp16 loss scaling, the estimate round's
+    dtype, and (``sharded_params``) whether a parameter reshards after forward to a smaller mesh."""
+    if not one_mesh:
+        raise refuse("fsdp_mesh")
+    accum, live = set(reduce_dtypes), set(param_dtypes)
+    if len(accum) != 1 or len(live) != 1:
+        raise refuse("fsdp_mixed_precision")
+    accum_dtype, live_dtype = accum.pop(), live.pop()
+    if loss_scaling and (live_dtype != torch.float16 or accum_dtype != torch.float32):
+        raise refuse("fsdp_fp16_dtypes", f"fp16.enabled = true, but the model computes in {live_dtype} and reduces in "
+                                         f"{accum_dtype}")
+    if not loss_scaling and live_dtype == torch.float16:
+        raise refuse("fsdp_fp16_unscaled", "the model computes in float16 (MixedPrecisionPolicy param_dtype) without "
+                                           "loss scaling")
+    check_estimate_dtype("estimate_dtype_fsdp", estimate_comm_dtype, estimate_dtype, accum_dtype)
+    if post_forward_mesh:
+        raise refuse("fsdp_post_forward_mesh", "AccoFSDP(sharded_params=True) with an integer reshard_after_forward "
+                                               "(a post-forward mesh)")

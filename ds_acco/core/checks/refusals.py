@@ -1,23 +1,21 @@
-"""What ACCO refuses, why, and the fix: one table, and the checks each adapter calls with what it built.
+"""What ACCO refuses, why, and the fix: one table, and the checks of what the caller asked for.
 
 Every refusal is a row of :data:`REFUSALS` (a key, the setting refused, the reason, the fix). A check
 raises an :class:`AccoRefusal` (a ``ValueError``: ``except ValueError`` still catches it; ``refusal``: the
 row's key, ``row``: the row) that reads ``found`` -- the setting as the adapter found it, with its value --
 then the row's reason and fix. The config model's own errors on the ``"acco"`` block are rows too
-(``acco_*``, raised by ``AccoConfig.from_block``). Warnings are not rows (:mod:`.warnings`). What the
-caller passed is checked by ``ds_acco.config_keys.check_deepspeed_compat`` (DeepSpeed's parsed config,
-every key classified there) and :func:`check_layout` (the layout asked for); what an adapter built, once,
-by :func:`.built.check_built` (check point 2), which calls the checks below. Nothing here imports a
-framework: the adapters hand over plain values (sizes, dtypes, names).
+(``acco_*``, raised by ``AccoConfig.from_block``). Warnings are rows of their own table
+(:mod:`.warning_rows`: :class:`Row` records that are logged, never raised). What the caller passed is
+checked by ``ds_acco.config_keys.check_deepspeed_compat`` (DeepSpeed's parsed config, every key
+classified there), :func:`check_schedule_compat` and :func:`check_layout` (the layout asked for); what an
+adapter built, once, by :func:`.built.check_built` (check point 2), whose checks of the parts live there.
+Nothing here imports a framework: the adapters hand over plain values (sizes, dtypes, names).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Optional
 
-import torch
-
-from ..step.functional_step import scalable_lr
 from .layout import ParallelLayout  # noqa: F401 -- check_layout's argument; callers import it from here
 
 SEE_FOUND = "{found}: {why}; fix: {fix}"
@@ -60,6 +58,15 @@ class AccoRefusal(ValueError):
         super().__init__(message)
         self.row = row
         self.refusal = row.key
+
+    def __reduce__(self):
+        # Pickle / copy (a process pool, a launcher) rebuild it from the message and the row's key:
+        # the row itself is not picklable (layout rows hold lambdas) and is the table's anyway.
+        return _rebuilt, (type(self), str(self.args[0]), self.refusal)
+
+
+def _rebuilt(cls, message: str, key: str) -> AccoRefusal:
+    return cls(message, REFUSALS[key])
 
 
 def _fill(text: str, **fields) -> str:
@@ -138,6 +145,14 @@ _ROWS = (
             "scales a round's learning rate, and {optimizer}'s param group {group} has lr = {lr}, which cannot be "
             "scaled (it computes its own rate, e.g. Adafactor with relative_step=True, or an integer tensor)",
             "set {unscaled}, or give the optimizer a floating-point learning rate", form="{found} {why}; fix: {fix}"),
+    Refusal("weight_unweighted", "a micro-batch weight= without acco.weighting 'sample' / 'token'",
+            "every micro-batch weighs 1", "set acco.weighting to 'sample' or 'token', or drop weight"),
+    Refusal("weighting_needs_weight", "acco.weighting 'sample' / 'token' without a micro-batch weight=",
+            "the loss must be the sum over {weighting}s, not their mean",
+            "pass {call}(loss, weight=n) with n the micro-batch's {weighting} count, or set acco.weighting to "
+            "'micro_batch'", form="{found}; {why}; fix: {fix}"),
+    Refusal("sigterm_main_thread", "acco.sigterm with an engine built off the main thread",
+            "signal handlers", "set \"sigterm\": \"off\"", form="{found} ({why}); fix: {fix}"),
     Refusal("ranks_differ", "settings that differ between ranks (e.g. ACCO enabled on one rank only): they would "
             "issue different collectives and hang", "differs between ranks: {lines}", "give every rank the same config",
             form="{found} {why}; fix: {fix}"),
@@ -241,6 +256,8 @@ _ROWS = (
             f"acco.accumulation = {a.accumulation!r} with a caller that sets the accumulation boundary and calls "
             "step() once per iteration (Megatron-DeepSpeed's train_step)")),
     # -- FSDP2 (AccoFSDP) ----------------------------------------------------------------------------------
+    Refusal("fsdp_disabled", "AccoFSDP with acco.enabled = false", "AccoFSDP always runs ACCO/DPU",
+            "set \"acco\": {\"enabled\": true, ...}, or train the FSDP model with its own loop for the stock baseline"),
     Refusal("fsdp_mesh", "HSDP, 2-D meshes, or several meshes",
             "AccoFSDP supports one 1-D device mesh for every fully_shard call (plain FSDP, not HSDP or 2-D meshes)",
             "pass the same 1-D mesh to every fully_shard (of a 2-D mesh, its data-parallel dimension: mesh[\"dp\"])",
@@ -264,6 +281,12 @@ _ROWS = (
             "param_dtype)", "use a narrower one (e.g. 'bf16') or remove it", form="{found} {why}; fix: {fix}"),
     Refusal("fsdp_post_forward_mesh", "sharded_params with an integer reshard_after_forward", "not supported",
             "fully_shard with reshard_after_forward=True (or False)"),
+    Refusal("fsdp_batch_size", "train_batch_size / train_micro_batch_size_per_gpu that DeepSpeed would not run",
+            "DeepSpeed reads train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x the "
+            "data-parallel size, with a whole number >= 1 of samples per micro-batch (AccoFSDP counts "
+            "global_samples by it)",
+            "set train_micro_batch_size_per_gpu to an integer >= 1 and train_batch_size to that product (or remove "
+            "train_batch_size)"),
     Refusal("fsdp_sharded_params_optimizer", "sharded_params with an optimizer that has no functional step",
             "its estimate would take a real step on the shards FSDP all-gathers from during that phase (only torch "
             "SGD / Adam / AdamW have a functional step)",
@@ -318,11 +341,6 @@ def check_layout(acco, layout: ParallelLayout) -> None:
             raise row.refuse(found, accumulation=acco.accumulation)
 
 
-def caller_boundary_refusal(accumulation: str) -> str:
-    """The refusal of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
-    return under_caller_boundary(accumulation).args[0]
-
-
 def under_caller_boundary(accumulation: str) -> AccoRefusal:
     """The error of ``accumulation`` (dynamic / shared) for a Megatron-style caller."""
     return refuse("per_rank_phases_caller_boundary",
@@ -334,57 +352,3 @@ def under_accelerate(accumulation: str) -> AccoRefusal:
     """The error of ``accumulation`` (dynamic / shared) under Accelerate / HF Trainer."""
     return refuse("per_rank_phases_accelerate",
                   f"acco.accumulation = {accumulation!r} under Accelerate / HF Trainer", accumulation=accumulation)
-
-
-def check_estimate_variant(estimate, shard_optimizer, rounds: bool = True) -> None:
-    """Adam's second moment read by an estimate variant needs torch Adam / AdamW (functional), a scaled
-    estimate a rate in every group (:func:`check_lr_scaled`); ``rounds``: the mode has estimate rounds."""
-    needs = [f"second_moment = {estimate.second_moment!r}"] if estimate.second_moment == "committed" else []
-    if estimate.delay_compensation:
-        needs.append(f"delay_compensation = {estimate.delay_compensation!r}")
-    if needs and not shard_optimizer.committed_second_moment:
-        raise refuse("estimate_variant_optimizer", f"acco.estimate.{' and '.join(needs)}",
-                     optimizer=type(shard_optimizer.optimizer).__name__)
-    if rounds and estimate.lr_scale != 1.0:
-        check_lr_scaled(f"acco.estimate.lr_scale = {estimate.lr_scale!r}", '"estimate": "paper"', shard_optimizer)
-
-
-def check_lr_scaled(found: str, unscaled: str, shard_optimizer) -> None:
-    """``found`` scales a round's learning rate (``unscaled``: the setting that does not): every group
-    needs a rate the round's step can scale (the lane's own test, ``scalable_lr``)."""
-    for i, group in enumerate(shard_optimizer.optimizer.param_groups):
-        if not scalable_lr(group.get("lr")):
-            raise refuse("estimate_lr_scale_without_lr", found, optimizer=type(shard_optimizer.optimizer).__name__,
-                         group=i, lr=repr(group.get("lr")), unscaled=unscaled)
-
-
-def check_estimate_dtype(key: str, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],
-                         comm_dtype: torch.dtype) -> None:
-    """An estimate round narrower than (or as wide as) the rounds' communication dtype; ``key``: the
-    adapter's row (its fix names its own setting)."""
-    if estimate_dtype is not None and estimate_dtype.itemsize > comm_dtype.itemsize:
-        raise refuse(key, f"acco.estimate_comm_dtype = {estimate_comm_dtype!r}", comm_dtype=comm_dtype)
-
-
-def check_fsdp_model(*, one_mesh: bool, reduce_dtypes: Iterable[torch.dtype], param_dtypes: Iterable[torch.dtype],
-                     loss_scaling: bool, estimate_comm_dtype: Optional[str], estimate_dtype: Optional[torch.dtype],
-                     post_forward_mesh: bool = False) -> None:
-    """What ``AccoFSDP`` took over: whether every parameter is on one device mesh, the parameters'
-    reduce and compute dtypes, whether the config asks for fp16 loss scaling, the estimate round's
-    dtype, and (``sharded_params``) whether a parameter reshards after forward to a smaller mesh."""
-    if not one_mesh:
-        raise refuse("fsdp_mesh")
-    accum, live = set(reduce_dtypes), set(param_dtypes)
-    if len(accum) != 1 or len(live) != 1:
-        raise refuse("fsdp_mixed_precision")
-    accum_dtype, live_dtype = accum.pop(), live.pop()
-    if loss_scaling and (live_dtype != torch.float16 or accum_dtype != torch.float32):
-        raise refuse("fsdp_fp16_dtypes", f"fp16.enabled = true, but the model computes in {live_dtype} and reduces in "
-                                         f"{accum_dtype}")
-    if not loss_scaling and live_dtype == torch.float16:
-        raise refuse("fsdp_fp16_unscaled", "the model computes in float16 (MixedPrecisionPolicy param_dtype) without "
-                                           "loss scaling")
-    check_estimate_dtype("estimate_dtype_fsdp", estimate_comm_dtype, estimate_dtype, accum_dtype)
-    if post_forward_mesh:
-        raise refuse("fsdp_post_forward_mesh", "AccoFSDP(sharded_params=True) with an integer reshard_after_forward "
-                                               "(a post-forward mesh)")
