@@ -46,6 +46,16 @@ def new_rounds_group(ranks: Sequence[int], timeout: timedelta):
     return group
 
 
+def connected(group) -> None:
+    """Return once every member of the new ``group`` has connected to it. gloo connects a group's pairs
+    when it is created, and a rank may finish before its peer: were the group destroyed then (an engine
+    built and destroyed at once, no round in between), the peer still connecting would fail with
+    "Connection closed by peer". One barrier on the group closes that window. Other backends connect
+    at first use: nothing to wait for, nothing done."""
+    if group is not None and dist.get_backend(group) == "gloo":
+        dist.barrier(group=group)
+
+
 def new_group_everywhere(ranks: Sequence[int], timeout: timedelta):
     """A new process group over ``ranks``, created by every rank of the default group: each rank's
     ``ranks`` are gathered and every distinct group is created, in one order, on every rank (the

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ..comm import collectives
-from ..comm.groups import new_group_everywhere, new_rounds_group
+from ..comm.groups import connected, new_group_everywhere, new_rounds_group
 from ..comm.lane import CommLane
 from ..comm.streams import stream_accelerator
 from .checks.refusals import refuse
@@ -121,6 +121,8 @@ class AccoDriver:
             norm_group = new_group_everywhere(dist.get_process_group_ranks(model_parallel_group), timeout)
         else:
             rounds_group = new_rounds_group(ranks, timeout)
+        for group in (rounds_group, norm_group):
+            connected(group)  # every rank connected before any may destroy it (an engine destroyed at once)
         self.lane = CommLane(synchronous=config.synchronous, timeout_s=config.comm_timeout_s,
                              accelerator=stream_accelerator(device, host.accelerator), device=device)
         self.metrics = StepMetrics(config.mode)
