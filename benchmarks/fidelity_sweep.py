@@ -8,6 +8,7 @@ it finished).
     python -m benchmarks.fidelity_sweep OUT.json --short --budget-s 7200   # the 300-step horizon (CPU)
     python -m benchmarks.fidelity_sweep OUT.json --one-round --lr-mults 2 --steps 200   # issue 42's predictors
     python -m benchmarks.fidelity_sweep --table OUT.json --variants la2,dpu,ext1,nag,ef
+    python -m benchmarks.fidelity_sweep OUT.json --optimizers "sgd:0.1,0.2;lion:1e-4" --steps 150   # issue 43
 """
 import argparse
 import json
@@ -35,11 +36,20 @@ def one_round_groups(lr_mults=(1, 2), steps=300, seeds=3, variants=ONE_ROUND_VAR
              [(v, s) for v in variants]) for s in range(seeds) for lr in lr_mults]
 
 
+def optimizer_groups(spec, steps=150, seeds=3, variants=("stock", "paper", "la2")):
+    """Issue 43 item 4: the small model under each (optimizer, peak LR) of ``spec`` (benchmarks.sim_optimizers),
+    warm-up 8 steps, one group per pair, its seeds stacked."""
+    return [(dict(SMALL, lr=lr, steps=steps, warmup=max(2, round(steps / 20)), eval_every=max(5, steps // 15),
+                  optimizer=o),
+             {"size": "small", "optimizer": o, "lr": lr, "lr_mult": lr, "steps": steps, "beta2": 0.95},
+             [(v, s) for s in range(seeds) for v in variants]) for o, lr in spec]
+
+
 def merge_seeds(results: dict) -> dict:
     """One group per setting, the runs of its per-seed groups pooled."""
     merged = {}
     for g in results["groups"]:
-        key = (g["size"], g["lr_mult"], g["steps"], g["beta2"])
+        key = (g["size"], g["lr_mult"], g["steps"], g["beta2"], g.get("optimizer"))
         if key in merged:
             merged[key]["runs"] = merged[key]["runs"] + g["runs"]
             merged[key]["wall_s"] += g["wall_s"]
@@ -93,6 +103,8 @@ def table(results: dict, variants=None) -> str:
             lag = f", drift {statistics.median(lags):.2f}" if lags else ""
             cells.append(f"{statistics.median(gaps):+.2f}% [{min(gaps):+.2f}, {max(gaps):+.2f}]{lag}")
         name = f"{g['size']} LR x{g['lr_mult']:g}, beta2 {g['beta2']:g}, {g['steps']} steps"
+        if g.get("optimizer"):
+            name = f"{g['optimizer']} LR {g['lr']:g}, {g['steps']} steps"
         lines.append(f"| {name} | {len(stock)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -142,11 +154,12 @@ def main():
     ap.add_argument("--short", action="store_true", help="the 300-step groups only (stock, paper, la1.5, la2)")
     ap.add_argument("--one-round", action="store_true", help="issue 42: the small model, one-round predictors")
     ap.add_argument("--lr-mults", default="1,2", help="with --one-round")
-    ap.add_argument("--steps", type=int, default=300, help="with --one-round")
-    ap.add_argument("--seeds", type=int, default=3, help="with --one-round")
+    ap.add_argument("--optimizers", default=None, help='issue 43: "sgd:0.1,0.3;adafactor:1e-3" (optimizer: peak LRs)')
+    ap.add_argument("--steps", type=int, default=300, help="with --one-round or --optimizers")
+    ap.add_argument("--seeds", type=int, default=3, help="with --one-round or --optimizers")
     ap.add_argument("--variants", default=None, help="with --one-round or --table: comma-separated")
     a = ap.parse_args()
-    if a.one_round:
+    if a.one_round or a.optimizers:
         torch.set_num_threads(1)
     if a.table:
         with open(a.out) as f:
@@ -160,9 +173,15 @@ def main():
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
                "groups": []}
-    todo = (one_round_groups(tuple(float(x) for x in a.lr_mults.split(",")), a.steps, a.seeds,
+    spec = [(o, float(lr)) for part in (a.optimizers or "").split(";") if part
+            for o, lrs in [part.split(":")] for lr in lrs.split(",")]
+    variants = a.variants.split(",") if a.variants else None
+    todo = optimizer_groups(spec, a.steps, a.seeds, variants or ("stock", "paper", "la2")) if spec else \
+        (one_round_groups(tuple(float(x) for x in a.lr_mults.split(",")), a.steps, a.seeds,
                              a.variants.split(",") if a.variants else ONE_ROUND_VARIANTS)
             if a.one_round else groups(a.tiny, a.short))
+    if spec:
+        results["optimizers"] = a.optimizers
     for kw, meta, runs in todo:
         if time.time() - t0 > a.budget_s:
             print("budget spent; stopping before", meta, flush=True)
@@ -180,7 +199,8 @@ def main():
         stock = tails["stock"]
         summary = {v: round(sorted(100 * (x / y - 1) for x, y in zip(ts, stock))[len(ts) // 2], 2)
                    for v, ts in tails.items()}
-        print(f"{time.time() - t0:6.0f}s {meta['size']} lr x{meta['lr_mult']} b2 {meta['beta2']} {meta['steps']} steps "
+        print(f"{time.time() - t0:6.0f}s {meta.get('optimizer', '')} {meta['size']} lr x{meta['lr_mult']:g} "
+              f"b2 {meta['beta2']} {meta['steps']} steps "
               f"({meta['wall_s']:.0f}s): median gap % {summary}", flush=True)
     print("done", time.time() - t0, flush=True)
 

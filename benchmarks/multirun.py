@@ -36,6 +36,8 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
+from benchmarks.sim_optimizers import SimOptimizer, check_variants
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -95,6 +97,7 @@ class Setting:
     eval_batches: int = 8  # per rank, of 16 sequences
     corpus: str = "embedded"  # benchmarks.data.load_text_dataset's source ("stdlib-source": 12 MB)
     bf16: bool = False  # forward and backward under bf16 autocast; weights, gradients, AdamW in fp32
+    optimizer: str = "adamw"  # or one of benchmarks.sim_optimizers (adam, sgd, adafactor, lion)
 
 
 class Stack:
@@ -257,6 +260,8 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None, trace
     kind = {k: torch.tensor([v_.predict == k for v_ in variants], device=dev) for k in PREDICTORS}
     pc = torch.tensor([v_.pc for v_ in variants], **f32)
     theta = {n: st.p[n].detach().clone() for n in names}
+    check_variants(s.optimizer, variants)
+    opt = None if s.optimizer == "adamw" else SimOptimizer(s.optimizer, s, theta, decay)
     est = {n: t.clone() for n, t in theta.items()}  # θ̃_0 = θ_0 (one-round runs: P_0 = θ_0)
     prev = theta  # θ_{t-1}, θ_{-1} = θ_0
     m = {n: torch.zeros_like(t) for n, t in theta.items()}
@@ -287,39 +292,45 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None, trace
             pred = predict_next(kind, pc, theta, prev, est, m, v, t, lr, s, decay)
         # the estimate: Opt(θ_t, S_t, clip(ḡ̃)) with lr·c, state discarded
         f1 = clip_divisor(g1)
-        step_next = t + 1  # AdamW's step count after this step's commit
-        bc1 = 1 - b1 ** step_next
-        new_est = {}
-        for n in names:
-            ge = g1[n] / _bc(f1, g1[n])
-            lr_r = _bc(c * lr, ge)
-            wd = s.weight_decay if decay[n] else 0.0
-            m2 = torch.lerp(m[n], ge, 1 - b1)
-            v_paper = (v[n] * b2 + (1 - b2) * ge * ge) / (1 - b2 ** step_next)
-            v_kept = v[n] / (1 - b2 ** t) if t >= 1 else v_paper
-            vhat = torch.where(_bc(keep_v, ge), v_kept, v_paper)
-            new_est[n] = theta[n] * (1 - lr_r * wd) - (lr_r / bc1) * m2 / (vhat.sqrt() + eps)
-        # the commit: the whole batch (halves pooled by count), first half delay-compensated
-        full = {}
-        rms = {n: (v[n] / (1 - b2 ** t)).sqrt() + eps if t >= 1 else None for n in names}
-        for n in names:
-            if rms[n] is None:  # no committed second moment yet: nothing to scale by (θ̃_0 = θ_0 anyway)
-                full[n] = (g1[n] + g2[n]) / 2
-                continue
-            g1c = g1[n] + _bc(dc, g1[n]) * g1[n] * g1[n] * (theta[n] - est[n]) / rms[n]
-            g1c = torch.where(_bc(sync, g1c), g1[n], g1c)
-            full[n] = (g1c + g2[n]) / 2
-        f = clip_divisor(full)
-        bc2 = 1 - b2 ** step_next
-        new_theta = {}
-        for n in names:
-            g = full[n] / _bc(f, full[n])
-            wd = s.weight_decay if decay[n] else 0.0
-            p = theta[n] * (1 - lr * wd)  # torch AdamW: decay, moments, then the step
-            m[n] = torch.lerp(m[n], g, 1 - b1)
-            v[n] = v[n] * b2 + (1 - b2) * g * g
-            denom = v[n].sqrt() / math.sqrt(bc2) + eps
-            new_theta[n] = p - (lr / bc1) * m[n] / denom
+        if opt is not None:  # benchmarks.sim_optimizers: the estimate (state discarded), then the commit
+            new_est = opt.step(theta, {n: g1[n] / _bc(f1, g1[n]) for n in names}, c * lr, commit=False)
+            full = {n: (g1[n] + g2[n]) / 2 for n in names}
+            f = clip_divisor(full)
+            new_theta = opt.step(theta, {n: full[n] / _bc(f, full[n]) for n in names}, lr, commit=True)
+        else:  # AdamW
+            step_next = t + 1  # AdamW's step count after this step's commit
+            bc1 = 1 - b1 ** step_next
+            new_est = {}
+            for n in names:
+                ge = g1[n] / _bc(f1, g1[n])
+                lr_r = _bc(c * lr, ge)
+                wd = s.weight_decay if decay[n] else 0.0
+                m2 = torch.lerp(m[n], ge, 1 - b1)
+                v_paper = (v[n] * b2 + (1 - b2) * ge * ge) / (1 - b2 ** step_next)
+                v_kept = v[n] / (1 - b2 ** t) if t >= 1 else v_paper
+                vhat = torch.where(_bc(keep_v, ge), v_kept, v_paper)
+                new_est[n] = theta[n] * (1 - lr_r * wd) - (lr_r / bc1) * m2 / (vhat.sqrt() + eps)
+            # the commit: the whole batch (halves pooled by count), first half delay-compensated
+            full = {}
+            rms = {n: (v[n] / (1 - b2 ** t)).sqrt() + eps if t >= 1 else None for n in names}
+            for n in names:
+                if rms[n] is None:  # no committed second moment yet: nothing to scale by (θ̃_0 = θ_0 anyway)
+                    full[n] = (g1[n] + g2[n]) / 2
+                    continue
+                g1c = g1[n] + _bc(dc, g1[n]) * g1[n] * g1[n] * (theta[n] - est[n]) / rms[n]
+                g1c = torch.where(_bc(sync, g1c), g1[n], g1c)
+                full[n] = (g1c + g2[n]) / 2
+            f = clip_divisor(full)
+            bc2 = 1 - b2 ** step_next
+            new_theta = {}
+            for n in names:
+                g = full[n] / _bc(f, full[n])
+                wd = s.weight_decay if decay[n] else 0.0
+                p = theta[n] * (1 - lr * wd)  # torch AdamW: decay, moments, then the step
+                m[n] = torch.lerp(m[n], g, 1 - b1)
+                v[n] = v[n] * b2 + (1 - b2) * g * g
+                denom = v[n].sqrt() / math.sqrt(bc2) + eps
+                new_theta[n] = p - (lr / bc1) * m[n] / denom
         if any_one:
             new_est = {n: torch.where(_bc(one, new_est[n]), pred[n], new_est[n]) for n in names}
         if trace is not None:
@@ -363,9 +374,11 @@ if __name__ == "__main__":  # a quick look: python -m benchmarks.multirun --step
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--lr-mult", type=float, default=1.0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--optimizer", default="adamw", help="or adam, sgd, adafactor, lion (benchmarks.sim_optimizers)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    s = Setting(steps=a.steps, warmup=min(50, max(2, a.steps // 10)), eval_every=max(1, a.steps // 4), lr=1e-3 * a.lr_mult)
+    s = Setting(steps=a.steps, warmup=min(50, max(2, a.steps // 10)), eval_every=max(1, a.steps // 4), lr=1e-3 * a.lr_mult,
+                optimizer=a.optimizer)
     runs = [(v, int(seed)) for seed in a.seeds.split(",") for v in a.variants.split(",")]
     t0 = time.time()
     res = run_group(s, runs, a.device, log=print)
