@@ -56,6 +56,9 @@ def test_tensor_parallel_inside_the_node_leaves_the_link_load_and_drops_nvlink()
     inter = 7 / 8 * 2e9 / 5e9 + 7e-5
     assert scale_model.collective_s(tp8, LINK) == pytest.approx(inter, rel=1e-9)
     assert scale_model.collective_s(tp1, LINK) > scale_model.collective_s(tp8, LINK)
+    # TP 2: four data-parallel ranks per node, each on its half of the tensor over NVLink
+    tp2 = _setup(gpus=64, tp=2)
+    assert scale_model.collective_s(tp2, LINK) == pytest.approx(3 / 4 * 1e9 / 50e9 + 3e-6 + inter, rel=1e-9)
     assert tp8.dp == 8 and step_times(_setup(gpus=8, tp=8), LINK)["round_s"] == 0.0  # DP 1: no round
 
 
@@ -91,6 +94,9 @@ def test_check_against_the_committed_emulated_records():
     assert res["by_r"]["r <= 1"]["median_abs"] < 0.035 and res["by_r"]["r <= 1"]["max_abs"] < 0.25
     assert res["ideal_eta_1"]["median_abs"] > 1.5 * res["out_of_sample"]["median_abs"]  # the calibration matters
     assert {r["mode"] for r in res["rows"]} == {"stock", "fixed", "dpu"}
+    # each variant at its own micro-batches per step (ttt-ratio1.5 ran stock at 16 beside ACCO's 8)
+    big = [r for r in res["rows"] if "stockgas16" in r["record"]]
+    assert len(big) == 3 and {r["gas"] for r in big} == {16} and max(abs(r["error"]) for r in big) < 0.2
     with pytest.raises(ValueError, match="no points"):
         scale_check.fit_eta([])
 
