@@ -182,7 +182,7 @@ def table_rows(links=("eth100", "ib400"), eta: float = ETA_NCCL, mfu: float = MF
             for key in links:
                 s = Setup(params=p, gpus=gpus, tp=tp, eta=eta, mfu=mfu)
                 st = step_times(s, LINKS[key])
-                rows.append({"model": name, "gpus": gpus, "link": key, "tp": tp, "dp": s.dp, "gas": s.accumulation,
+                rows.append({"model": name, "gpus": gpus, "link": key, "tp": tp, "dp": s.dp, "nodes": s.nodes, "gas": s.accumulation,
                              "tokens": s.accumulation * s.dp * s.tokens_per_micro_batch, **st,
                              "mem_stock_gb": memory_gb(s, "stock"), "mem_acco_gb": memory_gb(s, "fixed")})
     return rows
@@ -199,32 +199,41 @@ def _note(row: dict) -> str:
 
 
 def markdown(rows: List[dict], compact: bool = False) -> str:
-    """The table; ``compact``: the columns BENCHMARKS.md keeps."""
+    """The table; ``compact``: BENCHMARKS.md's, one row per model and GPU count beyond one node,
+    each link a cell ``r · stock s · fixed × stock · one-round × stock``."""
+    names = {"eth100": "100G Eth/node", "ib400": "400G IB/GPU", "ib400-node": "400G IB/node"}
     if compact:
-        head = ("| model | GPUs | link | A | r | stock s | fixed (× stock) | one-round (× stock) |\n"
-                "|---|---|---|---|---|---|---|---|")
-    else:
-        head = ("| model (TP) | GPUs | link | A (tokens/step) | compute s | round s | r | stock s | fixed s (× stock) "
-                "| one-round s (× stock) | states GB stock/ACCO | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+        links = list(dict.fromkeys(w["link"] for w in rows))
+        lines = ["| model | GPUs | A | " + " | ".join(f"{names[k]}: r · stock · fixed · one-round" for k in links) + " |",
+                 "|---|---|---|" + "---|" * len(links)]
+        for (model, gpus), group in _groups(rows).items():
+            if group[0]["nodes"] == 1:
+                continue  # one node: NVLink only, the network is not used
+            cells = [f"{w['r']:.2f} · {w['stock']:.2f} s · {w['stock'] / w['fixed']:.2f}× · {w['stock'] / w['one_round']:.2f}×"
+                     for w in group]
+            lines.append(f"| {model} | {gpus} | {group[0]['gas']} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+    lines = ["| model (TP) | GPUs | link | A (tokens/step) | compute s | round s | r | stock s | fixed s (× stock) "
+             "| one-round s (× stock) | states GB stock/ACCO | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in rows:
         x = lambda m: f"{w[m]:.2f} ({w['stock'] / w[m]:.2f}×)"  # noqa: E731
-        y = lambda m: f"{w['stock'] / w[m]:.2f}×"  # noqa: E731
-        link = {"eth100": "100G Eth/node", "ib400": "400G IB/GPU", "ib400-node": "400G IB/node"}[w["link"]]
-        if compact:
-            lines.append(f"| {w['model']} | {w['gpus']} | {link} | {w['gas']} | {w['r']:.2f} | {w['stock']:.2f} | "
-                         f"{y('fixed')} | {y('one_round')} |")
-        else:
-            lines.append(f"| {w['model']} ({w['tp']}) | {w['gpus']} | {link} | {w['gas']} ({w['tokens'] / 2 ** 20:.0f}M) | "
-                         f"{w['compute_s']:.2f} | {w['round_s']:.3f} | {w['r']:.2f} | {w['stock']:.2f} | {x('fixed')} | "
-                         f"{x('one_round')} | {w['mem_stock_gb']:.0f}/{w['mem_acco_gb']:.0f} | {_note(w)} |")
+        lines.append(f"| {w['model']} ({w['tp']}) | {w['gpus']} | {names[w['link']]} | {w['gas']} ({w['tokens'] / 2 ** 20:.0f}M) | "
+                     f"{w['compute_s']:.2f} | {w['round_s']:.3f} | {w['r']:.2f} | {w['stock']:.2f} | {x('fixed')} | "
+                     f"{x('one_round')} | {w['mem_stock_gb']:.0f}/{w['mem_acco_gb']:.0f} | {_note(w)} |")
     return "\n".join(lines)
+
+
+def _groups(rows: List[dict]) -> Dict[tuple, List[dict]]:
+    out: Dict[tuple, List[dict]] = {}
+    for w in rows:
+        out.setdefault((w["model"], w["gpus"]), []).append(w)
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.scale_model", description=__doc__.split("\n")[0])
     ap.add_argument("--table", action="store_true", help="the 1B/7B/70B x 8..1024 GPUs table (Markdown)")
-    ap.add_argument("--compact", action="store_true", help="BENCHMARKS.md's columns and rows (no ib400-node)")
+    ap.add_argument("--compact", action="store_true", help="BENCHMARKS.md's table (eth100 and ib400, past one node)")
     ap.add_argument("--links", default="eth100,ib400,ib400-node", help=f"comma-separated: {', '.join(LINKS)}")
     ap.add_argument("--eta", type=float, default=ETA_NCCL, help="achieved fraction of the line rate")
     ap.add_argument("--mfu", type=float, default=MFU)
