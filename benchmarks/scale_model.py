@@ -1,6 +1,6 @@
 """A step-time model on paper: stock ZeRO-1, ACCO fixed and the one-round mode on a cluster nobody
 here has rented (issue 42 item 6). :mod:`.scale_check` checks it against every emulated point we
-measured; ``python -m benchmarks.scale_model --table`` writes the table of docs/bench/scale-model.
+measured; ``python -m benchmarks scale-model --table`` writes the table of docs/bench/scale-model.
 
 Inputs: parameters ``P``, GPUs ``N`` (``g`` per node, ``n = N/g`` nodes), tensor parallelism ``tp``
 inside a node (data parallelism ``D = N/tp``), bytes per element of the gradients and of the
@@ -38,7 +38,6 @@ activations' memory (the table flags model states over 90% of the GPU's memory).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from typing import Dict, List, Optional
@@ -228,29 +227,3 @@ def _groups(rows: List[dict]) -> Dict[tuple, List[dict]]:
     for w in rows:
         out.setdefault((w["model"], w["gpus"]), []).append(w)
     return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.scale_model", description=__doc__.split("\n")[0])
-    ap.add_argument("--table", action="store_true", help="the 1B/7B/70B x 8..1024 GPUs table (Markdown)")
-    ap.add_argument("--compact", action="store_true", help="BENCHMARKS.md's table (eth100 and ib400, past one node)")
-    ap.add_argument("--links", default="eth100,ib400,ib400-node", help=f"comma-separated: {', '.join(LINKS)}")
-    ap.add_argument("--eta", type=float, default=ETA_NCCL, help="achieved fraction of the line rate")
-    ap.add_argument("--mfu", type=float, default=MFU)
-    ap.add_argument("--check", metavar="ROOT", nargs="?", const="docs/bench",
-                    help="check against every emulated point under ROOT (default docs/bench)")
-    a = ap.parse_args(argv)
-    if a.check:
-        from . import scale_check
-        print(scale_check.report(scale_check.check(a.check)))
-    if a.table or not a.check:
-        links = ("eth100", "ib400") if a.compact else tuple(x for x in a.links.split(",") if x)
-        unknown = [x for x in links if x not in LINKS]
-        if unknown:
-            ap.error(f"--links: unknown {unknown}; known: {', '.join(LINKS)}")
-        print(markdown(table_rows(links, eta=a.eta, mfu=a.mfu), compact=a.compact))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

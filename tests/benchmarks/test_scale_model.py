@@ -125,3 +125,15 @@ def test_advisor_check_scores_one_round_on_the_dpu_points():
                                                                         ("r1", 1.0, pytest.approx(0.8))]
     assert res["out_of_sample"]["mean_abs_error_by_mode"]["one_round"] == pytest.approx(0.1)
     assert res["out_of_sample"]["n"] == 4  # stock and dpu twice: one-round does not count DPU's points again
+
+
+def test_the_command_prints_the_committed_tables(capsys):
+    from benchmarks.__main__ import main
+    bench = os.path.join(REPO, "docs", "bench", "scale-model")
+    for args, name in ((["--table", "--compact"], "table-compact.md"), (["--table"], "table.md"),
+                       (["--table", "--eta", "0.5"], "table-eta0.5.md"),
+                       (["--check", os.path.join(REPO, "docs", "bench")], "check.md")):
+        assert main(["scale-model", *args]) == 0
+        with open(os.path.join(bench, name)) as f:
+            assert capsys.readouterr().out == f.read(), name
+    assert main(["scale-model", "--links", "eth100,nope"]) == 2
