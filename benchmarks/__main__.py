@@ -9,7 +9,7 @@ import shlex
 import signal
 import sys
 
-from . import advisor, advisor_check, cluster, report, report_quality, report_sweep, runner
+from . import advisor, advisor_check, cluster, report, report_quality, report_sweep, runner, scale_check, scale_model
 from .ab_spec import DEFAULT_CONFIG
 
 
@@ -169,7 +169,8 @@ def cmd_advise(a) -> int:
     tok = a.micro_batch * a.seq_len
     probe = advisor.Probe.from_measured(raw["probe"], tokens_per_micro_batch=tok, cores=os.cpu_count(),
                                         ranks_per_machine=a.world if raw["network"] != "real" else 1)
-    adv = advisor.advise(probe, a.gas, max_gas=a.max_gas, batch_fixed=not a.batch_flexible)
+    adv = advisor.advise(probe, a.gas, max_gas=a.max_gas, batch_fixed=not a.batch_flexible,
+                         one_round=not a.no_one_round)
     print(advisor.explain(adv, probe))
     with open(os.path.join(a.out, f"{spec.name()}.advice.json"), "w") as f:
         json.dump({"probe": probe.__dict__, "advice": adv.as_dict()}, f, indent=1)
@@ -252,6 +253,18 @@ def cmd_advisor_check(a) -> int:
     return 0
 
 
+def cmd_scale_model(a) -> int:
+    if a.check:
+        print(scale_check.report(scale_check.check(a.check)))
+    if a.table or not a.check:
+        links = ("eth100", "ib400") if a.compact else tuple(x for x in a.links.split(",") if x)
+        unknown = [x for x in links if x not in scale_model.LINKS]
+        if unknown:
+            raise ValueError(f"--links: unknown {unknown}; known: {', '.join(scale_model.LINKS)}")
+        print(scale_model.markdown(scale_model.table_rows(links, eta=a.eta, mfu=a.mfu), compact=a.compact))
+    return 0
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -283,6 +296,10 @@ def main(argv=None) -> int:
                     help="the global batch may grow: recommend a raised gradient_accumulation_steps or dynamic "
                          "accumulation where they win on tokens/s (by default they are only reported, since a "
                          "larger batch makes less progress per token)")
+    ad.add_argument("--no-one-round", action="store_true",
+                    help="never recommend the one-round mode (it trains measurably worse than stock in the "
+                         "fidelity simulator); by default it is recommended where fixed cannot hide its rounds "
+                         "and one round per step is predicted fastest")
     ad.add_argument("--label", default=None)
     ad.set_defaults(fn=cmd_advise)
     sub.add_parser("timeline", help="trace compute and communication lanes of stock ZeRO-1 and ACCO into a PNG "
@@ -317,6 +334,16 @@ def main(argv=None) -> int:
                         "(scripts/memory_bench.sh): medians, each variant against its stock and the README formula")
     mt.add_argument("--variants", nargs="+", default=None, help="row order (default: as found)")
     mt.set_defaults(out=None)  # print only, unless --out names a folder for memory.md
+    sm = sub.add_parser("scale-model", help="predicted step times of stock, fixed and one-round at scale (on paper; "
+                        "docs/bench/scale-model)")
+    sm.add_argument("--table", action="store_true", help="the 1B/7B/70B x 8..1024 GPUs table (Markdown; the default)")
+    sm.add_argument("--compact", action="store_true", help="BENCHMARKS.md's table (eth100 and ib400, past one node)")
+    sm.add_argument("--links", default="eth100,ib400,ib400-node", help=f"comma-separated: {', '.join(scale_model.LINKS)}")
+    sm.add_argument("--eta", type=float, default=scale_model.ETA_NCCL, help="achieved fraction of the line rate")
+    sm.add_argument("--mfu", type=float, default=scale_model.MFU)
+    sm.add_argument("--check", metavar="ROOT", nargs="?", const="docs/bench",
+                    help="score the model on every emulated record under ROOT (default docs/bench)")
+    sm.set_defaults(fn=cmd_scale_model)
     a = p.parse_args(argv)
     # Started in the background, a shell leaves SIGINT ignored; make SIGINT and SIGTERM unwind
     # (ranks killed, namespaces deleted) instead of dying or being ignored.

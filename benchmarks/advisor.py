@@ -1,5 +1,5 @@
-"""Predict step times of stock ZeRO-1, ACCO fixed, ACCO dynamic and DPU from a short probe,
-recommend a mode and a ``gradient_accumulation_steps`` (:mod:`.advisor_check` checks the model
+"""Predict step times of stock ZeRO-1, ACCO fixed, ACCO dynamic, DPU and the one-round mode from a
+short probe, recommend a mode and a ``gradient_accumulation_steps`` (:mod:`.advisor_check` checks the model
 against measured A/B points).
 
 The model (times per optimizer step, ``A`` = gradient_accumulation_steps, ``t`` = compute per
@@ -26,6 +26,9 @@ micro-batch of the slowest rank):
   ``n_i`` of the ranks' ``N·A/2`` micro-batches per phase, by the training's own rule,
   ``share_by_speed``, from every rank's measured ``t_i``; at equal speeds ``P = A/2·t``, fixed's)
 * dpu:     ``W(A)``                            (one round per step, one step stale)
+* one_round: ``W(A)``                          (``"mode": "one_round"``: DPU's schedule and bytes,
+  one commit round per step hidden behind the whole next step, so DPU's step time; its timing is
+  checked against the measured DPU points)
 * dynamic: each phase holds ``n = max(m, ⌈T_r'/t'⌉)`` micro-batches (``m`` the minimum) and
   lasts ``W(n)``; its figure of merit is tokens/s.
 
@@ -44,9 +47,11 @@ The rule: ACCO sends two rounds per optimizer step, so fixed mode hides them ful
 round fits under half a step's compute (``T_r'/t' ≤ A/2`` micro-batches beside compute),
 and gains only if the contention costs less than the round it hides (:func:`advise`
 recommends it only then: partly hidden rounds were predicted to gain and measured to lose);
-otherwise a raised ``A`` or dynamic accumulation would hide it, with a larger global batch
-that makes less progress per token, so :func:`advise` reports those and recommends them only
-when the batch may grow (``batch_fixed=False``).
+otherwise the one-round mode, one round per step under the whole next step, is recommended where it
+is predicted fastest (``margin`` ahead of stock and fixed at the same batch), with its caveat
+(:data:`ONE_ROUND_CAVEAT`); a raised ``A`` or dynamic accumulation would also hide the round, with
+a larger global batch that makes less progress per token, so :func:`advise` reports those and
+recommends them only when the batch may grow (``batch_fixed=False``).
 """
 from __future__ import annotations
 
@@ -196,6 +201,7 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
         add("fixed", 2 * window(gas / 2), gas)
         add("shared", 2 * window(probe.shared_phase_s(gas) / t), gas)  # the phase's compute, in slowest-rank units
         add("dpu", window(gas), gas)
+        add("one_round", window(gas), gas)  # DPU's schedule: one round under the whole step
         n = max(m, math.ceil(under - 1e-9))
         add("dynamic", 2 * window(n), 2 * n)
         return out
@@ -203,6 +209,7 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
     add("fixed", max(tc + 2 * k * tr, 2 * tr), gas)
     add("shared", max(2 * probe.shared_phase_s(gas) + 2 * k * tr, 2 * tr), gas)
     add("dpu", max(tc + k * tr, tr), gas)
+    add("one_round", max(tc + k * tr, tr), gas)
     n = max(m, math.ceil(max(0.0, (1 - k) * tr) / t - 1e-9)) if t > 0 else m
     phase = max(tr, n * t + k * tr)
     add("dynamic", 2 * phase, 2 * n)
@@ -211,7 +218,7 @@ def predict(probe: Probe, gas: int, *, dynamic_min: Optional[int] = None,
 
 @dataclasses.dataclass
 class Advice:
-    mode: str  # 'stock', 'fixed', 'shared' or 'dynamic'
+    mode: str  # 'stock', 'fixed', 'one_round', 'shared' or 'dynamic'
     gradient_accumulation_steps: int
     predictions: Dict[str, Prediction]
     reason: str
@@ -229,8 +236,14 @@ LARGER_BATCH_CAVEAT = ("a larger global batch makes less progress per token: in 
                        "target loss sooner (BENCHMARKS.md, time to target); measure it with your learning rate")
 
 
+ONE_ROUND_CAVEAT = ("one-round computes every micro-batch of a step at a prediction of the parameters one step "
+                    "ahead: in the fidelity simulator it trained measurably worse than stock (its best predictor, "
+                    "ef, +3.61% held-out loss at LR x1, docs/bench/one-round-predictors-cpu), where fixed's two "
+                    "rounds did not; measure its loss with your learning rate before adopting it")
+
+
 def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.05, margin: float = 0.03,
-           batch_fixed: bool = True) -> Advice:
+           batch_fixed: bool = True, one_round: bool = True) -> Advice:
     """Recommend a mode and gradient_accumulation_steps for this setup (see the module rule).
 
     ``batch_fixed`` (the default): the training recipe fixes the global batch, so only stock and
@@ -239,7 +252,10 @@ def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.0
     per-token progress drops with the batch. ``batch_fixed=False`` recommends those too. Fixed
     must be predicted ``margin`` faster than stock (ACCO costs a buffer; the model errs by ~10%)
     with one round fitting under half a step: where rounds are only partly hidden the model has
-    been optimistic and fixed measured later than stock, so it is named, not recommended."""
+    been optimistic and fixed measured later than stock, so it is named, not recommended. Where
+    fixed does not hide its rounds the one-round mode is recommended if predicted ``margin``
+    faster than both, with :data:`ONE_ROUND_CAVEAT`; ``one_round=False`` leaves it out (a recipe
+    that cannot take its loss)."""
     measured = probe.overlap_measured
     t = probe.micro_batch_s
     tr = probe.round_under_compute_s if measured else probe.round_s
@@ -271,6 +287,11 @@ def advise(probe: Probe, gas: int, *, max_gas: int = 64, negligible: float = 0.0
     if faster and fits:
         return Advice("fixed", gas, preds, f"{span}: ACCO fixed hides both rounds, predicted "
                       f"{stock.step_s / fixed.step_s:.2f}x stock at the same batch")
+    one = preds["one_round"]
+    if one_round and one.step_s < (1 - margin) * min(stock.step_s, fixed.step_s):
+        return Advice("one_round", gas, preds, f"{span}: the one-round mode (\"mode\": \"one_round\") sends one round "
+                      f"per step under the whole next step, predicted {stock.step_s / one.step_s:.2f}x stock and "
+                      f"{fixed.step_s / one.step_s:.2f}x ACCO fixed at the same batch; {ONE_ROUND_CAVEAT}")
     need = max(2, 2 * math.ceil(under - 1e-9)) if t > 0 else gas  # smallest even A with A/2 >= under
     larger = None
     if gas < need <= max_gas:  # once a round fits, a larger A does not change fixed's lead (the contention stays)

@@ -67,7 +67,7 @@ def test_advise_fixed_when_a_round_fits_under_half_the_compute():
 def test_advise_names_a_partly_hidden_fixed_without_recommending_it():
     # one round (0.5 s) spans 5 micro-batches, over the 4 of half a step: two rounds (1.0 s) are
     # predicted shorter than stock's 0.8 + 0.5 s, but partly hidden rounds measured later than stock
-    adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=8)
+    adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=8, one_round=False)
     assert adv.predictions["fixed"].step_s < adv.predictions["stock"].step_s
     assert (adv.mode, adv.gradient_accumulation_steps) == ("stock", 8)
     assert "only part of each round, predicted 1.30x stock" in adv.reason and "measure it" in adv.reason
@@ -76,26 +76,27 @@ def test_advise_names_a_partly_hidden_fixed_without_recommending_it():
 def test_advise_names_dpu_without_recommending_it():
     # beside compute a round spans 6 micro-batches: fixed (2 x 0.6 s + ...) loses at A=4, DPU does not
     p = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.1, round_overlap_s=0.6)
-    adv = advisor.advise(p, gas=4)
+    adv = advisor.advise(p, gas=4, one_round=False)
     assert adv.mode == "stock" and "DPU would be" in adv.reason and "stale" in adv.reason
+    assert advisor.advise(p, gas=4).mode == "one_round"  # DPU's step, recommended with its caveat
 
 
 def test_advise_keeps_the_batch_and_reports_a_raised_gas():
-    adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=2)  # round 0.5 s = 5 micro-batches
+    adv = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=2, one_round=False)  # round 0.5 s = 5 micro-batches
     assert (adv.mode, adv.gradient_accumulation_steps) == ("stock", 2)  # the recipe's batch is kept
     assert adv.larger_batch["mode"] == "fixed"
     assert adv.larger_batch["gradient_accumulation_steps"] == 10  # smallest even A with A*t/2 >= 0.5
     assert "progress per token" in adv.reason and "--batch-flexible" in adv.reason
-    flex = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=2, batch_fixed=False)
+    flex = advisor.advise(probe(t=0.1, ar=0.3, ag=0.2), gas=2, batch_fixed=False, one_round=False)
     assert (flex.mode, flex.gradient_accumulation_steps) == ("fixed", 10)
     assert flex.predictions["fixed"].step_s < flex.predictions["stock"].step_s
 
 
 def test_advise_dynamic_only_where_the_batch_may_grow():
     p = probe(t=0.1, ar=4.0, ag=3.0)  # needs A = 140
-    assert advisor.advise(p, gas=16, max_gas=32).mode == "stock"
-    assert advisor.advise(p, gas=16, max_gas=32).larger_batch["mode"] == "dynamic"
-    adv = advisor.advise(p, gas=16, max_gas=32, batch_fixed=False)
+    assert advisor.advise(p, gas=16, max_gas=32, one_round=False).mode == "stock"
+    assert advisor.advise(p, gas=16, max_gas=32, one_round=False).larger_batch["mode"] == "dynamic"
+    adv = advisor.advise(p, gas=16, max_gas=32, batch_fixed=False, one_round=False)
     assert adv.mode == "dynamic"
     assert "tokens/s" in adv.reason
 
@@ -135,18 +136,18 @@ def test_advise_uses_the_round_measured_beside_compute():
     calm = probe(t=0.1, ar=0.3, ag=0.2)
     busy = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.15, round_overlap_s=1.0)
     assert advisor.advise(calm, gas=12).mode == "fixed"
-    adv = advisor.advise(busy, gas=12)
+    adv = advisor.advise(busy, gas=12, one_round=False)
     assert adv.mode == "stock" and "beside compute" in adv.reason
     # a half of 6 ends at 0.9 s, 90% through its round; the last 10% runs alone (0.05 s): 2 x 0.95 s
     # against 1.2 + 0.5 s
     assert "ACCO fixed is predicted 1.12x stock's step time" in adv.reason
     # at A=14 a half covers a round (7 > 6.7) but the rounds' contention still costs more than they hide
     assert adv.larger_batch is None
-    assert advisor.advise(busy, gas=14).mode == "stock"
+    assert advisor.advise(busy, gas=14, one_round=False).mode == "stock"
     # isolated the round spans 5 micro-batches (fits in 6); beside compute 0.78 / 0.12 = 6.5 (does not):
     # fixed is predicted faster, but only partly hidden, so it is not recommended
     tight = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.12, round_overlap_s=0.78)
-    adv = advisor.advise(tight, gas=12)
+    adv = advisor.advise(tight, gas=12, one_round=False)
     assert adv.predictions["fixed"].step_s < 0.97 * adv.predictions["stock"].step_s
     assert adv.mode == "stock" and "spans 6.5 micro-batches, over the 6" in adv.reason
     assert "while both run" in advisor.explain(adv, busy)
