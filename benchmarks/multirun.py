@@ -64,6 +64,8 @@ VARIANTS = {
     "la1.5": Variant("la1.5", lr_scale=1.5),
     "la2": Variant("la2", lr_scale=2.0),
     "la1.25": Variant("la1.25", lr_scale=1.25),
+    "la0.5": Variant("la0.5", lr_scale=0.5),  # below the paper's (issue 43 item 4: the normalised families)
+    "la0": Variant("la0", lr_scale=0.0),  # θ̃_{t+1} = θ_t: the first half one step stale
     "keep_v+la1.5": Variant("keep_v+la1.5", keep_v=True, lr_scale=1.5),
     "dpu": Variant("dpu", predict="dpu"),
     "ext1": Variant("ext1", predict="ext", pc=1.0),
