@@ -57,3 +57,44 @@ def train(case):
 
 def train_one_round(cases):
     return [train(c) for c in cases]
+
+
+def _steps(engine, rank, lo, hi, losses):
+    for i in range(lo, hi):
+        x, y = batch(rank, i)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+
+
+def _theta(engine):
+    with ds_acco.committed_weights(engine):
+        return snapshot(engine.module)
+
+
+def resume(case, save_dir, save_at, total):
+    """Uninterrupted; saved after micro-batch ``save_at`` (the round in flight) and trained on; loaded
+    into a fresh engine and trained on: losses after the save and θ_T of all three."""
+    out = {}
+    plain = _engine(case)
+    rank = dist.get_rank()
+    losses = []
+    _steps(plain, rank, 0, total, losses)
+    out["plain"] = (losses[save_at + 1:], _theta(plain))
+    plain.destroy()
+    saving = _engine(case)
+    losses = []
+    _steps(saving, rank, 0, save_at + 1, losses)
+    saving.save_checkpoint(save_dir, tag="mid")
+    losses = []
+    _steps(saving, rank, save_at + 1, total, losses)
+    out["saving"] = (losses, _theta(saving))
+    saving.destroy()
+    resumed = _engine(case)
+    resumed.load_checkpoint(save_dir, tag="mid")
+    losses = []
+    _steps(resumed, rank, save_at + 1, total, losses)
+    out["resumed"] = (losses, _theta(resumed))
+    resumed.destroy()
+    return out

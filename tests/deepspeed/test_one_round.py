@@ -122,3 +122,31 @@ def test_committed_weights_are_theta(runs):
                 assert torch.equal(module_sd[n], masters[n]), (i, n)
         assert any(d for *_, d in r["probes"].values()), "the model never held a point other than θ"
         assert r["export_refused"] == "one_round_export"
+
+
+@pytest.mark.parametrize("name", ["ef", "ext", "nag"])
+@pytest.mark.parametrize("save_at", [9, 11], ids=["mid-phase", "phase-end"])
+def test_resume_exact(tmp_path, name, save_at):
+    """Saved with the commit round in flight (its P_{k+2} in B, P_{k+1} in the model, ef's P buffer),
+    resumed in a fresh engine: the losses after the save and θ_T equal the uninterrupted run's, bit for
+    bit; so do the saving run's (the save's gather of θ is undone). Catches a checkpoint that stores
+    the model's θ (the evaluation block's) as B's P, or drops ef's buffer."""
+    case = _ds_case({"predictor": name, "optimizer": "adamw", "schedule": "inv"})
+    out = run_ranks(orw.resume, case=case, save_dir=str(tmp_path), save_at=save_at, total=GAS * STEPS)
+    for r in out:
+        plain_losses, plain_theta = r["plain"]
+        for run in ("saving", "resumed"):
+            losses, theta = r[run]
+            assert losses == plain_losses, run
+            assert all(torch.equal(theta[n], plain_theta[n]) for n in plain_theta), run
+
+
+def test_destroy_leaves_theta_and_memory(runs):
+    """After ``engine.destroy()`` the model holds θ_T (the gather of the close); the predictor's
+    persistent bytes are docs/estimate.md's: ef one fp32 copy of the shard, ext and nag none."""
+    for case, r in zip(CASES, runs[0]):
+        assert all(torch.equal(r["after_destroy"][n], r["final"][n]) for n in r["final"])
+        assert all(torch.equal(r["masters"][n], r["final"][n]) for n in r["final"])
+        want = r["shard_bytes"] if _pred(case)[0] == "ef" else 0
+        assert r["predictor_bytes"] == want, case["name"]
+        assert r["shard_bytes"] > 0
