@@ -132,7 +132,7 @@ def test_resume_exact(tmp_path, name, save_at):
     bit; so do the saving run's (the save's gather of θ is undone). Catches a checkpoint that stores
     the model's θ (the evaluation block's) as B's P, or drops ef's buffer."""
     case = _ds_case({"predictor": name, "optimizer": "adamw", "schedule": "inv"})
-    out = run_ranks(orw.resume, case=case, save_dir=str(tmp_path), save_at=save_at, total=GAS * STEPS)
+    out = run_ranks(orw.resume, case=case, save_dir=str(tmp_path), save_at=save_at, total=GAS * (STEPS + 1))
     for r in out:
         plain_losses, plain_theta = r["plain"]
         for run in ("saving", "resumed"):

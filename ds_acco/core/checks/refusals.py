@@ -108,7 +108,7 @@ _ROWS = (
             "set a valid value or remove the key to get the default"),
     Refusal("acco_no_effect", "a key that has no effect with the other settings of the block",
             "it would be ignored (acco.dynamic without dynamic accumulation, sigterm_checkpoint_dir without "
-            "sigterm 'checkpoint', estimate or sync_warmup_steps in mode 'dpu')",
+            "sigterm 'checkpoint', estimate or sync_warmup_steps in mode 'dpu' / 'one_round', predictor in another mode)",
             "remove the key, or set the setting it belongs to"),
     Refusal("acco_sigterm_checkpoint_dir", "acco.sigterm 'checkpoint' without acco.sigterm_checkpoint_dir",
             "a checkpoint on SIGTERM needs a directory to save to",
