@@ -264,13 +264,15 @@ class CommittedWeights:
         for g in self.groups:
             outs = g.param_outputs(RoundKind.COMMIT)
             self._points.append([o.clone() for o in outs])
-            torch._foreach_copy_(outs, [v.reshape(-1) for v in g.shard_values()])
+            for out, value in zip(outs, g.shard_values()):  # a few tensors, at an evaluation only
+                out.copy_(value.reshape(-1))
             self.gather(g.gather_view())
 
     def _restore_points(self) -> None:
         """Mode one_round: B's gathered parameters ← P again (:meth:`_gather_theta` undone)."""
         for g, saved in zip(self.groups, self._points):
-            torch._foreach_copy_(g.param_outputs(RoundKind.COMMIT), saved)
+            for out, value in zip(g.param_outputs(RoundKind.COMMIT), saved):
+                out.copy_(value)
             self.gather(g.gather_view())
         self._points = None
 
