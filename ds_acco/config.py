@@ -103,14 +103,37 @@ class EstimateConfig(BaseModel):
         return f"{kind} {', '.join(keys)}{default}"
 
 
+PREDICTOR_COEFS = {"ef": 0.5, "ext": 1.0, "nag": 1.0}  # ds_acco.core.step.predict.PREDICTORS' defaults
+
+
+class PredictorConfig(BaseModel):
+    """Mode 'one_round': the point P_{t+1} the whole next step is computed at (docs/estimate.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: Literal["ef", "ext", "nag"] = Field(
+        "ef", description="'ef' (error feedback, γ), 'ext' (extrapolation, c) or 'nag' (AdamW look-ahead along "
+        "the momentum, c; torch Adam / AdamW only).")
+    coef: Optional[float] = Field(None, ge=0, le=8, description="γ of ef (below 1; default 0.5) or c of ext / nag "
+                                  "(default 1).")
+
+    @property
+    def value(self) -> float:
+        return PREDICTOR_COEFS[self.name] if self.coef is None else self.coef
+
+
 class AccoConfig(BaseModel):
     """Settings of the ``"acco"`` block (see the README's config reference)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     enabled: bool = Field(False, description="Use ACCO; false gives stock ZeRO-1, bit for bit.")
-    mode: Literal["acco", "dpu"] = Field(
-        "acco", description="'acco': estimate + commit rounds; 'dpu': one-step-delayed update.")
+    mode: Literal["acco", "dpu", "one_round"] = Field(
+        "acco", description="'acco': estimate + commit rounds; 'dpu': one-step-delayed update; 'one_round': one "
+        "commit round per step, the next step computed at a predicted point (acco.predictor).")
+    predictor: Optional[PredictorConfig] = Field(
+        None, description="Mode 'one_round': the predictor, e.g. {\"name\": \"ef\", \"coef\": 0.5} (the default) "
+        "or \"nag\".")
     accumulation: Literal["fixed", "dynamic", "shared"] = Field(
         "fixed", description="'fixed': A/2 (acco) or A (dpu) micro-batches per phase; 'dynamic': a phase ends "
         "when its round has finished; 'shared': fixed's global count per phase (ranks x A/2, or x A), shared "
@@ -161,6 +184,15 @@ class AccoConfig(BaseModel):
             return {**v, "delay_compensation": float(v["delay_compensation"])}
         return v
 
+    @field_validator("predictor", mode="before")
+    @classmethod
+    def _predictor(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return {"name": v}
+        if isinstance(v, Mapping) and isinstance(v.get("coef"), int) and not isinstance(v["coef"], bool):
+            return {**v, "coef": float(v["coef"])}
+        return v
+
     @field_validator("chunk_elements", mode="before")
     @classmethod
     def _chunk_elements(cls, v: Any) -> Any:
@@ -206,10 +238,21 @@ class AccoConfig(BaseModel):
             raise _refused("acco_no_effect", f"acco.sigterm_checkpoint_dir = {cfg.sigterm_checkpoint_dir!r} has no "
                            f"effect with acco.sigterm = {cfg.sigterm!r}; fix: set \"sigterm\": \"checkpoint\" or "
                            "remove it")
-        if cfg.mode == "dpu" and ("estimate" in block or cfg.sync_warmup_steps):
+        if cfg.mode != "acco" and ("estimate" in block or cfg.sync_warmup_steps):
             key = "estimate" if "estimate" in block else "sync_warmup_steps"
-            raise _refused("acco_no_effect", f"acco.{key} = {block.get(key)!r} has no effect with acco.mode = 'dpu' "
-                           f"(DPU has no estimate round); fix: remove acco.{key} or use \"mode\": \"acco\"")
+            raise _refused("acco_no_effect", f"acco.{key} = {block.get(key)!r} has no effect with acco.mode = "
+                           f"{cfg.mode!r} (it has no estimate round); fix: remove acco.{key} or use \"mode\": \"acco\"")
+        if cfg.predictor is not None and cfg.mode != "one_round":
+            raise _refused("acco_no_effect", f"acco.predictor = {block.get('predictor')!r} has no effect with "
+                           f"acco.mode = {cfg.mode!r}; fix: remove acco.predictor or use \"mode\": \"one_round\"")
+        if cfg.mode == "one_round" and cfg.predictor is not None and cfg.predictor.name == "ef" \
+                and cfg.predictor.value >= 1:
+            raise _refused("acco_invalid_value", f"acco.predictor.coef = {cfg.predictor.value!r} with name 'ef': γ "
+                           "must be below 1 (the error feedback's offset is stable for γ < 1); fix: set a coef "
+                           "below 1 or remove it to get the default 0.5")
+        if cfg.mode == "one_round" and cfg.accumulation != "fixed":
+            raise _refused("one_round_accumulation", f"acco.accumulation = {cfg.accumulation!r} with acco.mode = "
+                           "'one_round'; fix: use \"accumulation\": \"fixed\" (or \"mode\": \"acco\")")
         if cfg.sync_warmup_steps and cfg.accumulation != "fixed":
             raise _refused("acco_sync_warmup_not_fixed", f"acco.sync_warmup_steps = {cfg.sync_warmup_steps} with "
                            f"acco.accumulation = {cfg.accumulation!r}: the synchronous warm-up runs stock's fixed "
@@ -224,10 +267,17 @@ class AccoConfig(BaseModel):
     def estimate_in_banner(self) -> str:
         """The banner's words for the estimate: the one in use and the key that gives the paper's
         (the default departs from it; docs/estimate.md)."""
+        if self.mode == "one_round":
+            p = self.predictor_setting()
+            return f"no estimate (mode one_round), predictor={p.name} {p.value:g}"
         if self.mode != "acco":
             return "no estimate (mode dpu)"
         name, paper = self.estimate.name(), '"estimate": "paper"'
         return f"estimate={name} ({paper})" if name == "the paper's" else f"estimate={name}, the paper's: {paper}"
+
+    def predictor_setting(self) -> PredictorConfig:
+        """The predictor of mode 'one_round' (the default, ef 0.5, when the block names none)."""
+        return self.predictor or PredictorConfig()
 
     def phase_length(self, gradient_accumulation_steps: int) -> int:
         """Micro-batches per phase and rank in fixed accumulation (in 'shared': the equal share)."""

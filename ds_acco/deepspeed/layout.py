@@ -62,4 +62,5 @@ def built_by(engine: DeepSpeedEngine, layout: ParallelLayout, acco_optimizer: ty
         return Built(foreign_optimizer=type(optimizer).__name__, layout=layout)
     return Built(shard_optimizer=optimizer.shard_optimizer, comm_dtype=optimizer.comm_dtype,
                  estimate_dtype=optimizer.estimate_dtype, estimate_dtype_row="estimate_dtype_deepspeed",
-                 layout=layout)
+                 layout=layout, rounds_world=engine.dp_world_size,
+                 live_dtype=next((p.dtype for p in engine.module.parameters()), None))

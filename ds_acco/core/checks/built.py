@@ -15,6 +15,7 @@ import torch
 
 from .layout import ParallelLayout
 from ..step.functional_step import scalable_lr
+from ..step.predict import scratch_offset
 from .refusals import check_layout, refuse
 
 
@@ -39,6 +40,8 @@ class Built:
     fsdp: Optional[dict] = None
     needs_functional: Optional[str] = None
     needs_functional_found: str = ""
+    rounds_world: int = 0  # the rounds' ranks (DeepSpeed's data-parallel size; 0: not known)
+    live_dtype: Optional[torch.dtype] = None  # the model's weights (DeepSpeed)
 
 
 def check_built(acco, built: Built) -> None:
@@ -51,6 +54,8 @@ def check_built(acco, built: Built) -> None:
         dynamic = acco.dynamic if acco.accumulation == "dynamic" else None
         if dynamic is not None and dynamic.lr_power:  # every round's rate is scaled: a rate in every group
             check_lr_scaled(f"acco.dynamic.lr_scaling = {dynamic.lr_scaling!r}", '"lr_scaling": "none"', shard)
+    if acco.mode == "one_round":
+        check_one_round(acco.predictor_setting(), built)
     if built.foreign_optimizer is not None:
         raise refuse("not_zero1_optimizer", f"acco.enabled = true but DeepSpeed built {built.foreign_optimizer}")
     if built.estimate_dtype_row and built.comm_dtype is not None:
@@ -76,6 +81,23 @@ def check_estimate_variant(estimate, shard_optimizer, rounds: bool = True) -> No
                      optimizer=type(shard_optimizer.optimizer).__name__)
     if rounds and estimate.lr_scale != 1.0:
         check_lr_scaled(f"acco.estimate.lr_scale = {estimate.lr_scale!r}", '"estimate": "paper"', shard_optimizer)
+
+
+def check_one_round(predictor, built: Built) -> None:
+    """Mode 'one_round': DeepSpeed's flat buffers only; 'nag' reads torch Adam / AdamW's m and v; 'ext'
+    keeps θ_{t-1} in bytes of B the round no longer needs, on every rank (:func:`..step.predict.scratch_offset`)."""
+    if built.fsdp is not None:
+        raise refuse("one_round_fsdp", "AccoFSDP with acco.mode = 'one_round'")
+    shard = built.shard_optimizer
+    if predictor.name == "nag" and shard is not None and not shard.committed_second_moment:
+        raise refuse("one_round_predictor_optimizer", "acco.predictor.name = 'nag'",
+                     optimizer=type(shard.optimizer).__name__)
+    if predictor.name == "ext" and built.comm_dtype is not None and built.live_dtype is not None:
+        for rank in range(built.rounds_world):
+            if scratch_offset(rank, built.rounds_world, 1, built.comm_dtype.itemsize, built.live_dtype.itemsize,
+                              built.comm_dtype == torch.float32) is None:
+                raise refuse("one_round_ext_room", "acco.predictor.name = 'ext'", world=built.rounds_world,
+                             comm_dtype=built.comm_dtype, live_dtype=built.live_dtype, rank=rank)
 
 
 def check_lr_scaled(found: str, unscaled: str, shard_optimizer) -> None:

@@ -108,7 +108,7 @@ _ROWS = (
             "set a valid value or remove the key to get the default"),
     Refusal("acco_no_effect", "a key that has no effect with the other settings of the block",
             "it would be ignored (acco.dynamic without dynamic accumulation, sigterm_checkpoint_dir without "
-            "sigterm 'checkpoint', estimate or sync_warmup_steps in mode 'dpu')",
+            "sigterm 'checkpoint', estimate or sync_warmup_steps in mode 'dpu' / 'one_round', predictor in another mode)",
             "remove the key, or set the setting it belongs to"),
     Refusal("acco_sigterm_checkpoint_dir", "acco.sigterm 'checkpoint' without acco.sigterm_checkpoint_dir",
             "a checkpoint on SIGTERM needs a directory to save to",
@@ -156,6 +156,31 @@ _ROWS = (
     Refusal("ranks_differ", "settings that differ between ranks (e.g. ACCO enabled on one rank only): they would "
             "issue different collectives and hang", "differs between ranks: {lines}", "give every rank the same config",
             form="{found} {why}; fix: {fix}"),
+    Refusal("one_round_accumulation", "acco.mode 'one_round' with accumulation other than 'fixed'",
+            "the one-round mode is built and checked for fixed phases only (one commit round per "
+            "gradient_accumulation_steps micro-batches); its dynamic and shared phase ends are not implemented",
+            "use \"accumulation\": \"fixed\" (or \"mode\": \"acco\")"),
+    Refusal("one_round_predictor_optimizer", "acco.predictor 'nag' with an optimizer whose m, v it cannot read",
+            "reads the committed first and second moments of torch Adam / AdamW, which {optimizer} (with these "
+            "settings) does not give",
+            "use torch.optim.Adam/AdamW (DeepSpeed config: \"torch_adam\": true) or the predictor 'ef' or 'ext'",
+            form="{found} {why}; fix: {fix}"),
+    Refusal("one_round_ext_room", "acco.predictor 'ext' where B has no room for θ_{t-1}",
+            "keeps θ_{t-1} (fp32) in bytes of the communication buffer that the round no longer needs, and with "
+            "{world} rank(s), gradients in {comm_dtype} and weights in {live_dtype} rank {rank} has none (2 ranks "
+            "need fp32 gradients and weights)",
+            "use the predictor 'ef' (one fp32 shard-sized buffer) or 'nag', or more ranks",
+            form="{found}: {why}; fix: {fix}"),
+    Refusal("one_round_fsdp", "AccoFSDP with acco.mode 'one_round'",
+            "the one-round mode is implemented for DeepSpeed ZeRO-1's flat buffers only (FSDP2's rank-major "
+            "layout and sharded_params gathering are not)",
+            "use ds_acco.initialize (DeepSpeed ZeRO-1), or mode 'acco' / 'dpu' with AccoFSDP"),
+    Refusal("one_round_export", "an export outside a committed_weights() block in mode 'one_round'",
+            "the model's replica holds the predicted point P, never θ; θ lives in the fp32 master shards and "
+            "reaches the model only through an all-gather, a collective",
+            "export inside `with ds_acco.committed_weights(engine):` entered on every rank at the same micro-batch "
+            "count (e.g. `if rank == 0: torch.save(model.state_dict(), path)` inside it; engine.save_checkpoint "
+            "does this itself), or after engine.destroy()"),
     # -- DeepSpeed's config and engine ---------------------------------------------------------------
     Refusal("fp16_autocast", "torch_autocast with fp16",
             "fp16 autocast makes DeepSpeed scale losses with a torch GradScaler that ACCO's rounds do not divide out",
@@ -255,6 +280,13 @@ _ROWS = (
         found_in=lambda a, l: _per_rank_phases(a) and l.caller_sets_boundary and (
             f"acco.accumulation = {a.accumulation!r} with a caller that sets the accumulation boundary and calls "
             "step() once per iteration (Megatron-DeepSpeed's train_step)")),
+    Refusal(
+        "one_round_tensor_parallel", "acco.mode 'one_round' with tensor parallelism",
+        "the one-round mode is built and checked on data-parallel ZeRO-1 only (its predictors and the gather of θ "
+        "for evaluations are not tested over model-parallel groups)",
+        "train without tensor parallelism, or use mode 'acco' / 'dpu'",
+        found_in=lambda a, l: a.mode == "one_round" and l.tensor_parallel > 1 and (
+            f"acco.mode = 'one_round' with tensor parallelism ({l.tensor_parallel_from} = {l.tensor_parallel})")),
     # -- FSDP2 (AccoFSDP) ----------------------------------------------------------------------------------
     Refusal("fsdp_disabled", "AccoFSDP with acco.enabled = false", "AccoFSDP always runs ACCO/DPU",
             "set \"acco\": {\"enabled\": true, ...}, or train the FSDP model with its own loop for the stock baseline"),

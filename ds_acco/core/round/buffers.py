@@ -164,14 +164,17 @@ class BufferGroup(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot re-point its parameters")
 
     # -- in-flight state for checkpoints: G whole, the rest as this rank's shard ------------------
-    def export_state(self, swapped: bool) -> dict:
+    def export_state(self, swapped: bool, gathered_shard: Optional[list] = None) -> dict:
         """G, and this rank's shard of the live weights and of B's gathered parameters, as the
         compute lane sees them (CPU copies). Live weights and gathered parameters are the same on
         every rank, so the shards are enough: :meth:`import_state` all-gathers them back. ``swapped``:
-        inside ``committed_weights``, where the two hold each other's contents."""
+        inside ``committed_weights``, where the two hold each other's contents; ``gathered_shard``: B's
+        own segment set aside there (mode one_round: B then carries θ)."""
         live, gathered = self.live_shard_views(), self.shard_views(self.gather_view())
         if swapped:
             live, gathered = gathered, live
+        if gathered_shard is not None:
+            gathered = gathered_shard
         cpu = lambda views: [v.detach().to("cpu", copy=True) for v in views]  # noqa: E731
         return {"grads": self.grads.detach().to("cpu", copy=True), "live_shard": cpu(live),
                 "gathered_shard": cpu(gathered)}

@@ -34,6 +34,7 @@ from .report import DRAIN_ABORT, RoundReport, reports_from_checkpoint
 if TYPE_CHECKING:
     from .buffers import BufferGroup
     from ..step.delay_compensation import DelayCompensation
+    from ..step.predict import Predictor
     from ..step.shard_optimizer import ShardOptimizer
 
 
@@ -127,6 +128,7 @@ class RoundContext:
     estimate_lr_scale: float = 1.0  # an estimate round's LR × this (acco.estimate.lr_scale)
     committed_second_moment: bool = False  # an estimate round reuses Adam's committed v
     delay: Optional["DelayCompensation"] = None  # the commit's delay compensation (acco.estimate.delay_compensation)
+    predictor: Optional["Predictor"] = None  # mode one_round: a commit gathers P_{t+1} in θ's place (predict.py)
     pending_drift: Optional[torch.Tensor] = None  # the last commit's drift sums, on the device, not yet read
 
     def lr_factor(self, kind: "RoundKind", micro_batches: int) -> float:
@@ -225,6 +227,14 @@ def write_shards(ctx: RoundContext, kind: RoundKind = RoundKind.COMMIT) -> None:
         torch._foreach_copy_([v for _, o in outs if o is not None for v in o], srcs)
 
 
+def write_params(ctx: RoundContext, kind: RoundKind, settings=None, lr_factor: float = 1.0) -> None:
+    """:func:`write_shards`, or, a commit with a predictor (mode one_round), P_{t+1} in θ_{t+1}'s place."""
+    if ctx.predictor is None or kind is not RoundKind.COMMIT:
+        return write_shards(ctx, kind)
+    outs = [v for g in ctx.groups for v in (g.param_outputs(kind) or [])]
+    ctx.predictor.after_step(outs, ctx.shard_optimizer.optimizer, settings, lr_factor)
+
+
 def _copy_shards(ctx: RoundContext, dsts: List[torch.Tensor]) -> None:
     """``dsts`` (flat, one per shard tensor of every group) ← the shard values, in one foreach kernel."""
     srcs = [v.reshape(-1) for g in ctx.groups for v in g.shard_values()]
@@ -319,12 +329,14 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         grad_norm = math.sqrt(host[0]) if host[0] >= 0 else float("nan")  # the same on every rank: so is the skip
         skipped = not math.isfinite(grad_norm)
         lr_factor = 1.0
+        if ctx.predictor is not None and kind is RoundKind.COMMIT:
+            ctx.predictor.before_step()  # the shards still hold θ_t
         if skipped:
             if ctx.nonfinite == "raise":
                 raise NonFiniteGradientError(
                     f"round '{kind.value} {step}': the global mean gradient is not finite (norm {grad_norm}); "
                     "set acco.nonfinite to 'skip' to skip such updates instead")
-            write_shards(ctx, kind)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
+            write_params(ctx, kind, settings)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
             if delay is not None and kind is RoundKind.ESTIMATE:
                 delay.clear()  # no compensation from a non-finite first half
         else:
@@ -338,7 +350,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
                         ctx.pending_drift = drift_sums(ctx.groups, before, ctx.chunk_elems, ctx.process_group)
-                    write_shards(ctx, kind)
+                    write_params(ctx, kind, settings, lr_factor)
                 else:
                     outs = [v for g in ctx.groups for v in g.param_outputs(kind)]
                     lr_factor *= ctx.estimate_lr_scale

@@ -29,6 +29,9 @@ import collections
 import contextlib
 from typing import Callable, ContextManager, Dict, Optional, Protocol, Sequence
 
+import torch
+
+from ..checks.refusals import refuse
 from ..round.buffers import BufferGroup
 from ..round.kinds import RoundKind
 from ..round.rounds import RoundResult
@@ -77,10 +80,18 @@ class CommittedWeights:
         rounds: the schedule, through :class:`Rounds` (its round in flight, drains and waits).
         shard_optimizer: read at each hold: an estimate round of an optimizer without a functional
             estimate steps the master shards in place, so a hold with ``settle_shards`` waits for it.
+        gather: mode one_round, where B and the live weights carry predicted points P and θ is only
+            in the master shards: all-gathers a group's gather view (a collective, every rank at
+            once). Putting θ into the model then sets this rank's P segment aside, writes θ's shard
+            there and all-gathers; the way back exchanges again, restores the segment and all-gathers
+            (never lent). So a block is collective, and a hold is refused unless every rank makes it.
     """
 
-    def __init__(self, groups: Sequence[BufferGroup], rounds: Rounds, shard_optimizer):
+    def __init__(self, groups: Sequence[BufferGroup], rounds: Rounds, shard_optimizer,
+                 gather: Optional[Callable[[torch.Tensor], None]] = None):
         self.groups = list(groups)
+        self.gather = gather
+        self._points: Optional[list] = None  # mode one_round, θ gathered: this rank's P segments, per group
         self.rounds = rounds
         self.shard_optimizer = shard_optimizer
         self._swapped = False  # live and gathered exchanged: inside committed_weights, held, or lent
@@ -136,7 +147,11 @@ class CommittedWeights:
             if swap:
                 self._to_compute()
 
-    def hold(self, agreed: bool = False, settle_shards: bool = False) -> None:
+    def points(self, index: int) -> Optional[list]:
+        """Mode one_round, θ gathered into B: group ``index``'s P segment set aside (None otherwise)."""
+        return None if self._points is None else self._points[index]
+
+    def hold(self, agreed: bool = False, settle_shards: bool = False, final: bool = False) -> None:
         """Put the newest committed θ into the live weights and leave it there until the compute
         lane's next micro-batch (:meth:`release`, which every call of the micro-batch protocol
         makes first), or for good once closed: an export (``state_dict()``) or an evaluation
@@ -151,7 +166,8 @@ class CommittedWeights:
         the same micro-batch count (an evaluation): dynamic mode drains first, as
         ``committed_weights()`` does. ``settle_shards``: the caller reads the master shards too
         (FSDP2's ``state_dict()``), and an estimate round of an optimizer without a functional
-        estimate steps them in place (then restores them): it is waited for as well.
+        estimate steps them in place (then restores them): it is waited for as well. ``final``: the
+        schedule closes (every rank).
         """
         if self._on_theta:
             return
@@ -165,6 +181,10 @@ class CommittedWeights:
             estimate = inflight.kind is RoundKind.ESTIMATE
             if estimate and not (settle_shards and not self.shard_optimizer.functional):
                 return  # the live weights are the committed θ_t the round started from
+            if self.gather is not None and not (agreed or final):
+                raise refuse("one_round_export", f"the model's weights read for an export (state_dict(), "
+                             f"save_pretrained, ...) on one rank while it holds the predicted point P (commit round "
+                             f"of step {inflight.step} launched)")
             if rounds.agrees_drains and inflight.result is None and not inflight.handle.done():
                 raise RoundInFlightError(_in_flight_message(inflight))
             rounds.wait_for(inflight)
@@ -199,6 +219,7 @@ class CommittedWeights:
         if self._lent:
             self._point(at_gathered=False)
         self._swapped = self._held = False
+        self._points = None
 
     def unpack(self, inflight) -> None:
         """The phase end collected ``inflight``: its parameters into the live weights. Lent, the
@@ -222,15 +243,38 @@ class CommittedWeights:
         if self._lent:
             self._point(at_gathered=False)
         else:
+            if self.gather is not None:
+                self._gather_theta()
             self._swap_live_and_gathered()
         self.announce(inflight)
 
     def _to_compute(self) -> None:
         """The model back onto the compute lane's weights: lent where every group can, else exchanged."""
-        if all(g.lends_live for g in self.groups):
+        if self.gather is not None:
+            self._swap_live_and_gathered()
+            self._restore_points()
+        elif all(g.lends_live for g in self.groups):
             self._point(at_gathered=True)
         else:
             self._swap_live_and_gathered()
+
+    def _gather_theta(self) -> None:
+        """Mode one_round: B's gathered parameters ← θ (this rank's P segment set aside)."""
+        self._points = []
+        for g in self.groups:
+            outs = g.param_outputs(RoundKind.COMMIT)
+            self._points.append([o.clone() for o in outs])
+            for out, value in zip(outs, g.shard_values()):  # a few tensors, at an evaluation only
+                out.copy_(value.reshape(-1))
+            self.gather(g.gather_view())
+
+    def _restore_points(self) -> None:
+        """Mode one_round: B's gathered parameters ← P again (:meth:`_gather_theta` undone)."""
+        for g, saved in zip(self.groups, self._points):
+            for out, value in zip(g.param_outputs(RoundKind.COMMIT), saved):
+                out.copy_(value)
+            self.gather(g.gather_view())
+        self._points = None
 
     def _point(self, at_gathered: bool) -> None:
         for g in self.groups:

@@ -39,6 +39,7 @@ from typing import Callable, ContextManager, Deque, List, Optional, Sequence
 
 from torch.profiler import record_function
 
+from ...comm import collectives
 from ...comm.lane import CommLane
 from ..round.buffers import BufferGroup
 from ..round.kinds import Tally
@@ -98,7 +99,8 @@ class AccoSchedule:
         self._closed = False
         # The parts (see the module docstring): each reads the schedule only through its public names.
         self.drain_agreement = DrainAgreement(self)
-        self.committed = CommittedWeights(self.groups, self, shard_optimizer)
+        self.committed = CommittedWeights(self.groups, self, shard_optimizer,
+                                          gather=self.gather_on_lane if options.mode == "one_round" else None)
         self.checkpoint = ScheduleState(self)
         self.clock = ComputeClock()
         self.context = options.round_context(self.groups, shard_optimizer, process_group=process_group,
@@ -218,7 +220,7 @@ class AccoSchedule:
             return
         try:
             self.drain()
-            self.committed.hold()
+            self.committed.hold(final=True)
         finally:
             self._closed = True
             self.lane.close()
@@ -287,6 +289,13 @@ class AccoSchedule:
         self.phases = self.phases if phases is None else phases
         self.context.pending_drift = None
         self.clock.skip_phase()
+
+    def gather_on_lane(self, flat) -> None:
+        """All-gather every rank's segment of a rank-major flat tensor in place, on the lane (the
+        rounds' group; the lane idle: drained). A collective: every rank calls it at once."""
+        ctx = self.context
+        self.lane.wait(self.lane.submit("all-gather", lambda: collectives.gather_in_place(
+            flat, ctx.rank, ctx.world, ctx.process_group, ctx.chunk_elems)))
 
     def opening_phase(self, committed_steps: int) -> PhaseKind:
         """The phase a run starts in after ``committed_steps`` optimizer steps: a step of the

@@ -8,13 +8,14 @@ from ..round.buffers import BufferGroup
 from ..round.rounds import RoundContext
 from ..step import chunking
 from ..step.delay_compensation import DelayCompensation
+from ..step.predict import Predictor
 from .phases import DynamicPhases, FixedPhases, SharedPhases
 
 
 @dataclass(frozen=True)
 class ScheduleOptions:
     """How the schedule runs; built from the ``"acco"`` config by :meth:`from_config`."""
-    mode: str  # 'acco' or 'dpu'
+    mode: str  # 'acco', 'dpu' or 'one_round'
     phases: object  # FixedPhases, DynamicPhases or SharedPhases: when a phase ends
     gas_scale: float = 1.0  # the factor each micro-batch gradient carries in G (DeepSpeed's 1/A)
     clip_grad: float = 0.0  # clip each round's global mean gradient to this norm (0: off)
@@ -30,10 +31,14 @@ class ScheduleOptions:
     committed_second_moment: bool = False  # the estimate reuses Adam's committed v (acco.estimate.second_moment)
     delay_compensation: float = 0.0  # λ of the commit's delay compensation (acco.estimate.delay_compensation)
     sync_warmup_steps: int = 0  # the first N steps run stock's synchronous schedule (acco.sync_warmup_steps)
+    predictor: str = ""  # mode one_round: 'ef', 'ext' or 'nag' (acco.predictor.name)
+    predictor_coef: float = 0.0  # its γ or c (acco.predictor.coef)
 
     def __post_init__(self):
-        if self.mode not in ("acco", "dpu"):
-            raise ValueError(f"mode must be 'acco' or 'dpu', got {self.mode!r}")
+        if self.mode not in ("acco", "dpu", "one_round"):
+            raise ValueError(f"mode must be 'acco', 'dpu' or 'one_round', got {self.mode!r}")
+        if (self.mode == "one_round") != bool(self.predictor):
+            raise ValueError(f"mode {self.mode!r} with predictor {self.predictor!r}: mode 'one_round' needs one")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         if self.lr_power and self.nominal_phase < 1:
@@ -67,7 +72,9 @@ class ScheduleOptions:
                    estimate_lr_scale=acco.estimate.lr_scale,
                    committed_second_moment=acco.estimate.second_moment == "committed",
                    delay_compensation=acco.estimate.delay_compensation,
-                   sync_warmup_steps=acco.sync_warmup_steps)
+                   sync_warmup_steps=acco.sync_warmup_steps,
+                   predictor=acco.predictor_setting().name if acco.mode == "one_round" else "",
+                   predictor_coef=acco.predictor_setting().value if acco.mode == "one_round" else 0.0)
 
     def round_context(self, groups: Sequence[BufferGroup], shard_optimizer, *, process_group, norm_group, rank: int,
                       world: int, reduce_scatter: bool, read_counts_first: bool) -> RoundContext:
@@ -86,4 +93,5 @@ class ScheduleOptions:
             chunk_elems=chunk_elems, lr_power=self.lr_power, nominal_phase_micro_batches=self.nominal_phase * world,
             commit_phases=2 if self.mode == "acco" else 1, read_counts_first=read_counts_first,
             estimate_lr_scale=self.estimate_lr_scale, committed_second_moment=self.committed_second_moment,
-            delay=delay)
+            delay=delay, predictor=Predictor(self.predictor, self.predictor_coef, groups, chunk_elems)
+            if self.predictor else None)

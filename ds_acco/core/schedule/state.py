@@ -2,7 +2,6 @@
 (a part :class:`.schedule.AccoSchedule` holds; it owns the format, the schedule the state)."""
 from __future__ import annotations
 
-from ...comm import collectives
 from .phases import PhaseKind, SharedPhases
 from .position import Position
 
@@ -40,8 +39,9 @@ class ScheduleState:
             "shares": list(phases.shares) if shared else None,
             "shares_aligned": phases.aligned if shared else None,
             "share_rates": [list(v) for v in phases.measured] if shared else None,
-            "groups": [g.export_state(s.committed.swapped) for g in s.groups],
+            "groups": [g.export_state(s.committed.swapped, s.committed.points(i)) for i, g in enumerate(s.groups)],
             "delay": None if s.context.delay is None else s.context.delay.state(),  # D (delay compensation)
+            "predictor": None if s.context.predictor is None else s.context.predictor.state(),  # ef's P
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -57,16 +57,15 @@ class ScheduleState:
             raise ValueError("ACCO in-flight state saved during the synchronous warm-up (acco.sync_warmup_steps) does "
                              "not fit this run (its accumulation is not fixed)")
         s.committed.forget()  # a hold ends here: the import below overwrites live weights and B
-        ctx, lane = s.context, s.lane
+        ctx = s.context
         # The shards are all-gathered on the lane (the rounds' group; drained, so it is free):
         # every rank loads at the same point.
-        gather = lambda flat: lane.wait(lane.submit(  # noqa: E731
-            "load: all-gather", lambda: collectives.gather_in_place(flat, ctx.rank, ctx.world, ctx.process_group,
-                                                ctx.chunk_elems)))
         for g, saved in zip(s.groups, state["groups"]):
-            g.import_state(saved, gather)
+            g.import_state(saved, s.gather_on_lane)
         if ctx.delay is not None:
             ctx.delay.load(state.get("delay"))
+        if ctx.predictor is not None:
+            ctx.predictor.load(state.get("predictor"))
         phases = None
         if isinstance(s.phases, SharedPhases) and state.get("shares"):  # none: saved in another mode
             # Saved before 'shares_aligned' existed: its shares may have differed earlier, which
@@ -97,3 +96,5 @@ class ScheduleState:
             g.reset()
         if s.context.delay is not None:
             s.context.delay.clear()  # θ̃ = θ: no lead
+        if s.context.predictor is not None:
+            s.context.predictor.start()  # P = θ: a fresh start

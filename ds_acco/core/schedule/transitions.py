@@ -64,4 +64,11 @@ TRANSITIONS: Dict[Tuple[str, PhaseKind], Transition] = {
     # phase k ends: model ← θ_k; k ← k + 1; B ← G; G ← 0; round k.
     ("dpu", P.COMMIT): Transition(collect=True, advance_step=True, launch=C, clear_grads=True,
                                   next_phase=P.COMMIT, data_step=1),
+    # mode 'one_round': dpu's rows; each commit round gathers P_{k+2} in θ_{k+1}'s place (core/step/predict.py).
+    # bootstrap: B ← G; G ← 0; round 0.
+    ("one_round", P.BOOTSTRAP): Transition(collect=False, advance_step=False, launch=C, clear_grads=True,
+                                           next_phase=P.COMMIT, data_step=None),
+    # phase k ends: model ← P_{k+1}; k ← k + 1; B ← G; G ← 0; round k.
+    ("one_round", P.COMMIT): Transition(collect=True, advance_step=True, launch=C, clear_grads=True,
+                                        next_phase=P.COMMIT, data_step=1),
 }
