@@ -175,12 +175,12 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             exp = _median(exposed)
         mb_per_rank = _median(mbs) if mbs else gas
         t_compute = probe.micro_batch_s * (mb_per_rank or gas)
-        rounds = {"stock": 1, "dpu": 1}.get(mode, 2)
+        rounds = {"stock": 1, "dpu": 1, "one_round": 1}.get(mode, 2)
         t_comm_iso = rounds * probe.round_s
         overlap = None
         if mode != "stock" and med_step:
             overlap = (t_compute + t_comm_iso - med_step) / min(t_compute, t_comm_iso)
-        ideal = max(t_compute, t_comm_iso) if mode in ("fixed", "dpu") else None
+        ideal = max(t_compute, t_comm_iso) if mode in ("fixed", "dpu", "one_round") else None
         pred = preds.get(mode)
         variants[name] = {
             "mode": mode, "framework": "fsdp2" if is_fsdp(name) else "deepspeed",
