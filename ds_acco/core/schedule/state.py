@@ -2,6 +2,8 @@
 (a part :class:`.schedule.AccoSchedule` holds; it owns the format, the schedule the state)."""
 from __future__ import annotations
 
+import logging
+
 from ...comm import collectives
 from .phases import PhaseKind, SharedPhases
 from .position import Position
@@ -42,6 +44,7 @@ class ScheduleState:
             "share_rates": [list(v) for v in phases.measured] if shared else None,
             "groups": [g.export_state(s.committed.swapped) for g in s.groups],
             "delay": None if s.context.delay is None else s.context.delay.state(),  # D (delay compensation)
+            "estimate_lr_scale": s.context.estimate_lr_scale if s.mode == "acco" else None,  # what θ̃ stepped with
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -79,6 +82,21 @@ class ScheduleState:
         drains = s.drain_agreement
         drains.restore_count(state.get("drains", drains.count))  # the saving run's count: flags stay comparable
         s.sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
+        self._warn_if_estimate_changed(state.get("estimate_lr_scale"))
+
+    def _warn_if_estimate_changed(self, saved) -> None:
+        """A resume whose estimate's lr_scale differs from the saving run's (another config, or the
+        optimizer family's default where the config gives none) goes on with this run's, said on rank 0
+        (states saved before the value was recorded have none to compare)."""
+        s = self.schedule
+        mine = s.context.estimate_lr_scale
+        if saved is None or s.mode != "acco" or saved == mine or s.rank != 0:
+            return
+        logging.getLogger("ds_acco").warning(
+            "ACCO resume: the checkpoint's run computed its estimates with lr_scale %g, this run's config gives %g "
+            "(acco.estimate.lr_scale, or the optimizer family's default: "
+            "docs/estimate.md#the-default-per-optimizer-family); the estimates from here use %g. To go on as saved, "
+            "set \"estimate\": {\"lr_scale\": %g}.", saved, mine, mine, saved)
 
     def reset(self, committed_steps: int) -> None:
         """Forget everything in flight and start a bootstrap phase at the current weights, as after
