@@ -4,13 +4,12 @@ paper's (lr_scale 1) and an explicit ``{"lr_scale": 2}``. Lion and transformers'
 family) run the paper's estimate bit for bit by default, and lr_scale 2 when the config says so; AdamW
 (moment family) keeps lr_scale 2. Lion's runs are also checked against the float64 recurrence at lr × 1.
 Rank 0's start-up banner names the family and where its lr_scale came from."""
-import logging
-
 import pytest
 
 from dist import run_ranks
 from fixtures import TinyNet, batch, make_optimizer
 from reference import reference_run, rel_distance
+from test_estimate_banner import Lines
 from timeouts import scaled
 import workers
 
@@ -26,14 +25,6 @@ PAPER_KEY = '"estimate": "paper"'
 def _train_with_banners(cases):
     """Each case's final committed weights and rank 0's banner lines, as DeepSpeed's logger shows them."""
     from deepspeed.utils import logger
-
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
 
     out = {}
     for c in cases:
@@ -127,4 +118,5 @@ def test_the_banner_names_the_family_and_where_lr_scale_came_from(runs):
                                              f"({DOC}); {paper}")
     assert tails["adamw-default"] == (f"AdamW: moment family, estimate lr_scale 2 by default ({DOC}); "
                                       f"estimate=look-ahead lr_scale=2 (the default), the paper's: {PAPER_KEY}")
-    assert tails["adamw-paper"] == f"AdamW: moment family, default lr_scale 2, acco.estimate.lr_scale 1 as set ({DOC}); {paper}"
+    assert tails["adamw-paper"] == (f"AdamW: moment family, default lr_scale 2, acco.estimate.lr_scale 1 as set "
+                                    f"({DOC}); {paper}")
