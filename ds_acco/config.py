@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 # Reading DeepSpeed's config and the launch's opt-out have modules of their own; their names stay
 # importable from here.
 from .config_deepspeed import (ACCO_KEY, BATCH_KEYS, data_parallel_size, deepspeed_config_at,  # noqa: F401
                                load_ds_config, marked_params, requested_layout, steps_with_increment)
+from .config_families import NORMALISED, family_of
 from .config_routing import (OPT_OUT_ENV, RUN_THROUGH_DS_ACCO, note_opt_out, opted_out,  # noqa: F401
                              stock_engine_refusal)
 
@@ -63,7 +64,11 @@ class MetricsConfig(BaseModel):
                           "wandb blocks).")
 
 
-DEFAULT_LR_SCALE = 2.0  # the look-ahead estimate: beat stock at every setting measured (docs/estimate.md)
+DEFAULT_LR_SCALE = 2.0  # the look-ahead estimate: beat stock with every moment optimizer measured (docs/estimate.md)
+# The normalised-update family's default (Adafactor, Lion: every coordinate moves by about lr, so the estimate at
+# 2·lr lands a whole step further): the paper's estimate, ahead of lr_scale 2 in both measured (docs/estimate.md)
+NORMALISED_LR_SCALE = 1.0
+FAMILY_DOC = "docs/estimate.md#the-default-per-optimizer-family"
 
 
 class EstimateConfig(BaseModel):
@@ -77,8 +82,9 @@ class EstimateConfig(BaseModel):
     lr_scale: float = Field(
         DEFAULT_LR_SCALE, gt=0, le=8, description="The estimate's optimizer step uses the learning rate times "
         "this (its weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is "
-        "computed further along the update (a look-ahead). Default 2: median held-out loss below stock's in "
-        "every setting measured, where the paper's estimate trails it by up to 3.1% (docs/estimate.md).")
+        "computed further along the update (a look-ahead). Default by the optimizer's family: 2 (SGD, Adam-like "
+        "and unknown optimizers: median held-out loss below stock's in every setting measured), 1 for the "
+        "normalised-update family (Adafactor, Lion; docs/estimate.md#the-default-per-optimizer-family).")
     second_moment: Literal["update", "committed"] = Field(
         "update", description="Adam's second moment in the estimate: 'update' it with the half-batch gradient "
         "(the paper), or reuse the 'committed' one (bias-corrected for the committed steps).")
@@ -90,15 +96,16 @@ class EstimateConfig(BaseModel):
     def paper(cls) -> "EstimateConfig":
         return cls(lr_scale=1.0, second_moment="update", delay_compensation=0.0)
 
-    def name(self) -> str:
+    def name(self, default_lr_scale: float = DEFAULT_LR_SCALE) -> str:
         """This estimate as the start-up banner names it: "the paper's", the default's name, or the
-        keys that depart from the paper's (docs/estimate.md specifies each)."""
+        keys that depart from the paper's (docs/estimate.md specifies each); ``default_lr_scale``:
+        the optimizer family's default (:meth:`AccoConfig.for_optimizer`)."""
         if self == self.paper():
             return "the paper's"
         keys = [f"lr_scale={self.lr_scale:g}"] if self.lr_scale != 1.0 else []
         keys += [f"second_moment={self.second_moment}"] if self.second_moment != "update" else []
         keys += [f"delay_compensation={self.delay_compensation:g}"] if self.delay_compensation else []
-        default = " (the default)" if self == type(self)() else ""
+        default = " (the default)" if self == type(self)(lr_scale=default_lr_scale) else ""
         kind = "look-ahead" if self.lr_scale > 1.0 else "variant"
         return f"{kind} {', '.join(keys)}{default}"
 
@@ -169,6 +176,8 @@ class AccoConfig(BaseModel):
     sync_warmup_steps: int = Field(
         0, ge=0, description="The first N optimizer steps run stock's synchronous schedule (one round per "
         "step, waited for at once; ACCO's buffers), then ACCO starts from there (fixed accumulation).")
+    # Set by for_optimizer: (the optimizer's family in the banner's words, the family's default lr_scale).
+    _family: Optional[tuple] = PrivateAttr(None)
 
     @field_validator("estimate", mode="before")
     @classmethod
@@ -264,16 +273,36 @@ class AccoConfig(BaseModel):
                            "max_micro_batches or lower min_micro_batches")
         return cfg
 
+    def for_optimizer(self, optimizer) -> "AccoConfig":
+        """This config for the optimizer the adapter built (an instance or its class): where the block
+        does not set ``estimate.lr_scale``, the default of the optimizer's family (``DEFAULT_LR_SCALE``
+        for the moment family and an unknown class, ``NORMALISED_LR_SCALE`` for the normalised-update
+        family; the table: config_families.py), which the banner then names. Every adapter calls it once
+        on what it built, before check point 2; a given lr_scale always wins."""
+        if self.mode != "acco":
+            return self
+        family = family_of(optimizer)
+        default = NORMALISED_LR_SCALE if family.family == NORMALISED else DEFAULT_LR_SCALE
+        given = "lr_scale" in self.estimate.model_fields_set  # "paper" sets it too
+        estimate = self.estimate if given else self.estimate.model_copy(update={"lr_scale": default})
+        out = self.model_copy(update={"estimate": estimate})
+        how = f"default lr_scale {default:g}, acco.estimate.lr_scale {estimate.lr_scale:g} as set" if given else \
+            f"estimate lr_scale {default:g} by default"
+        out._family = (f"{family.words()}, {how} ({FAMILY_DOC})", default)
+        return out
+
     def estimate_in_banner(self) -> str:
-        """The banner's words for the estimate: the one in use and the key that gives the paper's
-        (the default departs from it; docs/estimate.md)."""
+        """The banner's words for the estimate: the optimizer's family and what it gave
+        (:meth:`for_optimizer`), the estimate in use and the key that gives the paper's (docs/estimate.md)."""
         if self.mode == "one_round":
             p = self.predictor_setting()
             return f"no estimate (mode one_round), predictor={p.name} {p.value:g}"
         if self.mode != "acco":
             return "no estimate (mode dpu)"
-        name, paper = self.estimate.name(), '"estimate": "paper"'
-        return f"estimate={name} ({paper})" if name == "the paper's" else f"estimate={name}, the paper's: {paper}"
+        family, default = self._family or ("", DEFAULT_LR_SCALE)
+        name, paper = self.estimate.name(default), '"estimate": "paper"'
+        words = f"estimate={name} ({paper})" if name == "the paper's" else f"estimate={name}, the paper's: {paper}"
+        return f"{family}; {words}" if family else words
 
     def predictor_setting(self) -> PredictorConfig:
         """The predictor of mode 'one_round' (the default, ef 0.5, when the block names none)."""

@@ -128,6 +128,9 @@ def make_optimizer(name: str):
         if name == "adafactor-hf":  # transformers' Adafactor at a given rate (relative_step computes its own)
             from transformers.optimization import Adafactor
             return Adafactor(param_groups(model), lr=0.02, relative_step=False, scale_parameter=False)
+        if name == "lion":  # lion-pytorch's Lion: the normalised-update family (docs/estimate.md)
+            from lion_pytorch import Lion
+            return Lion(param_groups(model), lr=0.02, betas=(0.9, 0.99), weight_decay=0.01)
         if name == "heavy-ball":
             return HeavyBall(param_groups(model), lr=0.05, weight_decay=0.01)
         if name == "cpu-adamw":  # DeepSpeed's CPU Adam as a client optimizer (its op must be built)

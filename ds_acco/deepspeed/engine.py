@@ -70,7 +70,7 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_commits_at_step = 0  # commits launched when the caller's last step() returned
         self._acco_exports = None  # ExportHooks: every state_dict() of the model reads the committed θ
         super().__init__(*args, **kwargs)
-        check_built(acco_config, built_by(self, self._acco_layout, AccoZeroOptimizer))  # before rounds group, lane
+        check_built(self._acco_config, built_by(self, self._acco_layout, AccoZeroOptimizer))  # before rounds, lane
         driver = self.optimizer.start()
         driver.install_sigterm(save=self.save_checkpoint)
         self._acco_exports = ExportHooks(self.module, driver.schedule)
@@ -88,7 +88,7 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_layout = built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler)
 
     def _configure_zero_optimizer(self, optimizer):
-        cfg = self._acco_config
+        cfg = self._acco_config = self._acco_config.for_optimizer(optimizer)  # the estimate's family default
         comm_dtype = self._config.communication_data_type  # explicit setting only; else G's dtype
 
         def build(init_optimizer, param_names, **kwargs):

@@ -80,6 +80,7 @@ class AccoFSDP:
         acco = acco_config_of(raw)
         if not acco.enabled:
             raise refuse("fsdp_disabled", f"acco.enabled = {acco.enabled}")
+        acco = acco.for_optimizer(optimizer)  # the estimate's default lr_scale by the optimizer's family
         gas = raw.get("gradient_accumulation_steps", 1)
         if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
             raise ValueError(f"gradient_accumulation_steps = {gas!r}: must be an integer >= 1")

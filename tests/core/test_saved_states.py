@@ -66,3 +66,43 @@ def test_a_state_saved_before_the_refactor_continues_as_it_did(name):
     want = json.loads((SAVED / "ac8fa32_continued.json").read_text())[name]
     (got,) = run_ranks(_continue, world=1, timeout=scaled(60), name=name)
     assert got == want  # every weight exactly (float32 values as Python floats)
+
+
+def _load_and_listen(lr_scale):
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from ds_acco.comm.lane import CommLane
+    from ds_acco.config import AccoConfig
+    from ds_acco.core.round.buffers import FlatBuffers
+    from ds_acco.core.schedule.machine import AccoSchedule
+    from ds_acco.core.schedule.options import ScheduleOptions
+    from ds_acco.core.step.shard_optimizer import ShardOptimizer
+    dist.init_process_group("gloo")
+    heard = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger("ds_acco").addHandler(handler)
+    config = AccoConfig(enabled=True, estimate={"lr_scale": lr_scale}, **CONFIGS["fixed"])
+    live, grads = torch.zeros(8), torch.zeros(8)
+    master = torch.nn.Parameter(live.clone())
+    opt = torch.optim.Adam([master], lr=0.1)
+    schedule = AccoSchedule([FlatBuffers(live, grads, master, rank=0, world=1, comm_dtype=torch.float32)],
+                            ShardOptimizer(opt, [master]), CommLane(timeout_s=60), process_group=dist.group.WORLD,
+                            rank=0, world=1, options=ScheduleOptions.from_config(config, 4))
+    saved = torch.load(SAVED / "ac8fa32_fixed.pt", weights_only=False)
+    opt.load_state_dict(saved["opt"])
+    schedule.load_state_dict(saved["sched"])
+    schedule.close()
+    return [m for m in heard if "lr_scale" in m]
+
+
+def test_a_state_saved_before_lr_scale_was_recorded_warns_a_run_whose_estimate_is_not_the_old_default():
+    # ac8fa32 recorded no lr_scale; its default was 2 for every optimizer (a Lion or Adafactor run resumed
+    # today gets 1 from its family unless the config sets it): said, with the fix
+    (heard,) = run_ranks(_load_and_listen, world=1, timeout=scaled(60), lr_scale=1.0)
+    assert len(heard) == 1 and "lr_scale" in heard[0] and '"estimate": {"lr_scale": 2}' in heard[0], heard
+    (quiet,) = run_ranks(_load_and_listen, world=1, timeout=scaled(60), lr_scale=2.0)
+    assert quiet == []

@@ -17,20 +17,23 @@ CONFIGS = {
 }
 
 
+class Lines(logging.Handler):
+    """Every message of the logger it is added to."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _banners(blocks):
     """Each block's banner lines as DeepSpeed's logger shows them (rank 0; [] on rank 1)."""
     from deepspeed.utils import logger
 
     import ds_acco
     from fixtures import TinyNet, ds_config, make_optimizer
-
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
 
     out = []
     for block in blocks:

@@ -2,8 +2,12 @@
 (a part :class:`.schedule.AccoSchedule` holds; it owns the format, the schedule the state)."""
 from __future__ import annotations
 
+import logging
+
 from .phases import PhaseKind, SharedPhases
 from .position import Position
+
+OLD_DEFAULT_LR_SCALE = 2.0  # every optimizer's default estimate before the per-family defaults (v0.4 and earlier)
 
 
 class ScheduleState:
@@ -42,6 +46,7 @@ class ScheduleState:
             "groups": [g.export_state(s.committed.swapped, s.committed.points(i)) for i, g in enumerate(s.groups)],
             "delay": None if s.context.delay is None else s.context.delay.state(),  # D (delay compensation)
             "predictor": None if s.context.predictor is None else s.context.predictor.state(),  # ef's P
+            "estimate_lr_scale": s.context.estimate_lr_scale if s.mode == "acco" else None,  # what θ̃ stepped with
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -78,6 +83,31 @@ class ScheduleState:
         drains = s.drain_agreement
         drains.restore_count(state.get("drains", drains.count))  # the saving run's count: flags stay comparable
         s.sync_accumulated_loss_scale()  # the restored scaler's scale (the same, unless it was replaced)
+        # saved before the value was recorded: that code's estimate had lr_scale 2 unless its config set one
+        self._warn_if_estimate_changed(state.get("estimate_lr_scale"), recorded="estimate_lr_scale" in state)
+
+    def _warn_if_estimate_changed(self, saved, recorded: bool = True) -> None:
+        """A resume whose estimate's lr_scale differs from the saving run's (another config, or the
+        optimizer family's default where the config gives none) goes on with this run's, said on rank 0.
+        A state saved before the value was recorded (``recorded`` False) was saved by code whose default
+        was lr_scale 2 for every optimizer: a run now at another value is told so."""
+        s = self.schedule
+        mine = s.context.estimate_lr_scale
+        if not recorded and s.mode == "acco" and mine != OLD_DEFAULT_LR_SCALE and s.rank == 0:
+            logging.getLogger("ds_acco").warning(
+                "ACCO resume: the checkpoint does not record its estimate's lr_scale (saved before the per-family defaults, whose "
+                "default was %g for every optimizer); this run's is %g (acco.estimate.lr_scale, or the optimizer "
+                "family's default: docs/estimate.md#the-default-per-optimizer-family). If the saving run used the "
+                "default, set \"estimate\": {\"lr_scale\": %g} to go on as saved.", OLD_DEFAULT_LR_SCALE, mine,
+                OLD_DEFAULT_LR_SCALE)
+            return
+        if saved is None or s.mode != "acco" or saved == mine or s.rank != 0:
+            return
+        logging.getLogger("ds_acco").warning(
+            "ACCO resume: the checkpoint's run computed its estimates with lr_scale %g, this run's config gives %g "
+            "(acco.estimate.lr_scale, or the optimizer family's default: "
+            "docs/estimate.md#the-default-per-optimizer-family); the estimates from here use %g. To go on as saved, "
+            "set \"estimate\": {\"lr_scale\": %g}.", saved, mine, mine, saved)
 
     def reset(self, committed_steps: int) -> None:
         """Forget everything in flight and start a bootstrap phase at the current weights, as after

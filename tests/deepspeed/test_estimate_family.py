@@ -1,0 +1,122 @@
+"""The estimate's default lr_scale by the optimizer's family (issue 43 item 4, docs/estimate.md#the-default-
+per-optimizer-family): real DeepSpeed engines on 2 gloo ranks, each optimizer under the default estimate, the
+paper's (lr_scale 1) and an explicit ``{"lr_scale": 2}``. Lion and transformers' Adafactor (normalised-update
+family) run the paper's estimate bit for bit by default, and lr_scale 2 when the config says so; AdamW
+(moment family) keeps lr_scale 2. Lion's runs are also checked against the float64 recurrence at lr × 1.
+Rank 0's start-up banner names the family and where its lr_scale came from."""
+import pytest
+
+from dist import run_ranks
+from fixtures import TinyNet, batch, make_optimizer
+from reference import reference_run, rel_distance
+from test_estimate_banner import Lines
+from timeouts import scaled
+import workers
+
+STEPS, GAS = 3, 4
+ESTIMATES = {"default": None, "paper": "paper", "la2": {"lr_scale": 2}}  # the JSON writer's int 2
+OPTIMIZERS = ("lion", "adafactor-hf", "adamw")
+CASES = [{"name": f"{opt}-{est}", "optimizer": opt, "estimate": value}
+         for opt in OPTIMIZERS for est, value in ESTIMATES.items()]
+DOC = "docs/estimate.md#the-default-per-optimizer-family"
+PAPER_KEY = '"estimate": "paper"'
+
+
+def _train_with_banners(cases):
+    """Each case's final committed weights and rank 0's banner lines, as DeepSpeed's logger shows them."""
+    from deepspeed.utils import logger
+
+    out = {}
+    for c in cases:
+        acco = {"enabled": True, "mode": "acco", **({"estimate": c["estimate"]} if c["estimate"] else {})}
+        handler = Lines()
+        logger.addHandler(handler)
+        try:
+            run = workers.train({"optimizer": c["optimizer"], "schedule": None, "steps": STEPS, "gas": GAS,
+                                 "acco": acco})
+        finally:
+            logger.removeHandler(handler)
+        out[c["name"]] = {"final": run["final"], "banner": [x for x in handler.lines if x.startswith("ACCO is on")]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    r0, r1 = run_ranks(_train_with_banners, cases=CASES, timeout=scaled(60 + 15 * len(CASES)))
+    assert all(r1[n]["banner"] == [] for n in r1)  # rank 0 only
+    for n in r0:
+        assert all(r0[n]["final"][k].equal(r1[n]["final"][k]) for k in r0[n]["final"])
+    return r0
+
+
+def _equal(a, b):
+    return all(a[k].equal(b[k]) for k in a)
+
+
+def _apart(a, b):
+    print(f"apart: {rel_distance(a, b):.2e}")
+    return rel_distance(a, b) > 1e-3
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor-hf"])
+def test_a_normalised_update_optimizer_runs_the_papers_estimate_by_default(runs, optimizer):
+    """Lion and transformers' Adafactor: the default is lr_scale 1 (the paper's run, bit for bit), and
+    far from lr_scale 2's run (the old default: the estimate a whole step further)."""
+    final = {e: runs[f"{optimizer}-{e}"]["final"] for e in ESTIMATES}
+    assert _equal(final["default"], final["paper"])
+    assert _apart(final["default"], final["la2"]), "lr_scale 1 and 2 barely differ: the test could not tell"
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor-hf"])
+def test_an_explicit_estimate_wins_over_the_family(runs, optimizer):
+    """``"estimate": {"lr_scale": 2}`` with a normalised-update optimizer runs lr_scale 2: the user asked."""
+    final = {e: runs[f"{optimizer}-{e}"]["final"] for e in ESTIMATES}
+    assert _apart(final["la2"], final["paper"])
+    assert not _equal(final["la2"], final["default"])
+
+
+def _copyable_lion(model):
+    """The fixture's Lion as a class the reference can deep-copy: torch's ``Optimizer.__getstate__`` keeps
+    its defaults, state and groups only, and Lion's step reads attributes of its own."""
+    from lion_pytorch import Lion
+
+    class CopyableLion(Lion):
+        def __getstate__(self):
+            return {**super().__getstate__(), **{k: vars(self)[k] for k in ("decoupled_wd", "_init_lr", "update_fn")}}
+
+    lion = make_optimizer("lion")(model)
+    return CopyableLion(lion.param_groups, **lion.defaults)
+
+
+def test_lion_default_is_the_recurrence_at_lr_times_1(runs):
+    """Lion's default run against the float64 recurrence (tests/reference.py: a deep copy of the same
+    optimizer stepped at lr × c) at c = 1, and far from c = 2's."""
+    def ref(c):
+        return reference_run(TinyNet(seed=0), batch, world=2, gas=GAS, steps=STEPS, mode="acco", lr_scale=c,
+                             make_optimizer=_copyable_lion)
+    got, one, two = runs["lion-default"]["final"], ref(1.0), ref(2.0)
+    err, apart = rel_distance(got, one), rel_distance(two, one)
+    print(f"lion default: relative error {err:.2e} to lr_scale 1's recurrence; lr_scale 2's is {apart:.2e} away")
+    assert err < 1e-5 and apart > 100 * max(err, 1e-7)
+
+
+def test_a_moment_optimizer_keeps_lr_scale_2(runs):
+    """AdamW: the default is lr_scale 2 as before (the explicit 2's run bit for bit, apart from the paper's)."""
+    final = {e: runs[f"adamw-{e}"]["final"] for e in ESTIMATES}
+    assert _equal(final["default"], final["la2"])
+    assert _apart(final["default"], final["paper"])
+
+
+def test_the_banner_names_the_family_and_where_lr_scale_came_from(runs):
+    tails = {n: r["banner"][0].split("synchronous=False; ", 1)[1] for n, r in runs.items() if len(r["banner"]) == 1}
+    assert len(tails) == len(CASES), {n: r["banner"] for n, r in runs.items()}
+    paper, la2 = f"estimate=the paper's ({PAPER_KEY})", f"estimate=look-ahead lr_scale=2, the paper's: {PAPER_KEY}"
+    assert tails["lion-default"] == f"Lion: normalised-update family, estimate lr_scale 1 by default ({DOC}); {paper}"
+    assert tails["lion-la2"] == (f"Lion: normalised-update family, default lr_scale 1, acco.estimate.lr_scale 2 as "
+                                 f"set ({DOC}); {la2}")
+    assert tails["adafactor-hf-default"] == (f"Adafactor: normalised-update family, estimate lr_scale 1 by default "
+                                             f"({DOC}); {paper}")
+    assert tails["adamw-default"] == (f"AdamW: moment family, estimate lr_scale 2 by default ({DOC}); "
+                                      f"estimate=look-ahead lr_scale=2 (the default), the paper's: {PAPER_KEY}")
+    assert tails["adamw-paper"] == (f"AdamW: moment family, default lr_scale 2, acco.estimate.lr_scale 1 as set "
+                                    f"({DOC}); {paper}")
