@@ -8,7 +8,7 @@ point parses it once (:meth:`AccoConfig.from_block`) and hands the parsed object
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -128,9 +128,17 @@ class AccoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     enabled: bool = Field(False, description="Use ACCO; false gives stock ZeRO-1, bit for bit.")
-    mode: Literal["acco", "dpu", "one_round"] = Field(
+    mode: Literal["acco", "dpu", "one_round", "auto"] = Field(
         "acco", description="'acco': estimate + commit rounds; 'dpu': one-step-delayed update; 'one_round': one "
-        "commit round per step, the next step computed at a predicted point (acco.predictor).")
+        "commit round per step, the next step computed at a predicted point (acco.predictor); 'auto': the first "
+        "auto_probe_steps steps are stock's and measure a round against the compute, then every rank runs the "
+        "mode of auto_modes the measured times predict fastest (stock unless an ACCO mode is 5% faster).")
+    auto_probe_steps: int = Field(
+        3, ge=2, description="Mode 'auto': the stock steps before the decision (the first is a warm-up, not "
+        "measured; the others' medians decide).")
+    auto_modes: Tuple[Literal["stock", "acco", "one_round"], ...] = Field(
+        ("stock", "acco"), description="Mode 'auto': the modes it may choose; \"stock\" and at least one of "
+        "\"acco\" (fixed accumulation) and \"one_round\" (which trains worse than stock: opt in by listing it).")
     predictor: Optional[PredictorConfig] = Field(
         None, description="Mode 'one_round': the predictor, e.g. {\"name\": \"ef\", \"coef\": 0.5} (the default) "
         "or \"nag\".")
@@ -207,6 +215,8 @@ class AccoConfig(BaseModel):
     def _coerce(cls, block: Mapping[str, Any]) -> dict:
         # strict=True refuses ints for floats; JSON writers often emit 600 for 600.0.
         out = dict(block)
+        if isinstance(out.get("auto_modes"), list):
+            out["auto_modes"] = tuple(out["auto_modes"])
         v = out.get("comm_timeout_s")
         if isinstance(v, int) and not isinstance(v, bool):
             out["comm_timeout_s"] = float(v)
@@ -238,15 +248,25 @@ class AccoConfig(BaseModel):
             raise _refused("acco_no_effect", f"acco.sigterm_checkpoint_dir = {cfg.sigterm_checkpoint_dir!r} has no "
                            f"effect with acco.sigterm = {cfg.sigterm!r}; fix: set \"sigterm\": \"checkpoint\" or "
                            "remove it")
-        if cfg.mode != "acco" and ("estimate" in block or cfg.sync_warmup_steps):
-            key = "estimate" if "estimate" in block else "sync_warmup_steps"
+        modes = cfg.schedule_modes()
+        if cfg.mode == "auto":
+            _check_auto(cfg, block)
+        elif "auto_probe_steps" in block or "auto_modes" in block:
+            key = "auto_probe_steps" if "auto_probe_steps" in block else "auto_modes"
             raise _refused("acco_no_effect", f"acco.{key} = {block.get(key)!r} has no effect with acco.mode = "
-                           f"{cfg.mode!r} (it has no estimate round); fix: remove acco.{key} or use \"mode\": \"acco\"")
-        if cfg.predictor is not None and cfg.mode != "one_round":
+                           f"{cfg.mode!r}; fix: remove acco.{key} or use \"mode\": \"auto\"")
+        if "acco" not in modes and "estimate" in block:
+            raise _refused("acco_no_effect", f"acco.estimate = {block.get('estimate')!r} has no effect with acco.mode = "
+                           f"{cfg.mode!r} (it has no estimate round); fix: remove acco.estimate or use \"mode\": \"acco\"")
+        if cfg.mode not in ("acco", "one_round") and cfg.sync_warmup_steps:
+            raise _refused("acco_no_effect", f"acco.sync_warmup_steps = {cfg.sync_warmup_steps!r} has no effect with "
+                           f"acco.mode = {cfg.mode!r} (mode 'auto': auto_probe_steps); fix: remove "
+                           "acco.sync_warmup_steps or use \"mode\": \"acco\"")
+        if cfg.predictor is not None and "one_round" not in modes:
             raise _refused("acco_no_effect", f"acco.predictor = {block.get('predictor')!r} has no effect with "
-                           f"acco.mode = {cfg.mode!r}; fix: remove acco.predictor or use \"mode\": \"one_round\"")
-        if cfg.mode == "one_round" and cfg.predictor is not None and cfg.predictor.name == "ef" \
-                and cfg.predictor.value >= 1:
+                           f"acco.mode = {cfg.mode!r}; fix: remove acco.predictor or use \"mode\": \"one_round\" "
+                           "(mode 'auto': list \"one_round\" in auto_modes)")
+        if cfg.predictor is not None and cfg.predictor.name == "ef" and cfg.predictor.value >= 1:
             raise _refused("acco_invalid_value", f"acco.predictor.coef = {cfg.predictor.value!r} with name 'ef': γ "
                            "must be below 1 (the error feedback's offset is stable for γ < 1); fix: set a coef "
                            "below 1 or remove it to get the default 0.5")
@@ -267,6 +287,10 @@ class AccoConfig(BaseModel):
     def estimate_in_banner(self) -> str:
         """The banner's words for the estimate: the one in use and the key that gives the paper's
         (the default departs from it; docs/estimate.md)."""
+        if self.mode == "auto":
+            modes = self.schedule_modes()
+            return (f"auto between stock and {' / '.join(modes)} after {self.auto_probe_steps} stock steps"
+                    + "".join(f"; if {m}: " + self.model_copy(update={"mode": m}).estimate_in_banner() for m in modes))
         if self.mode == "one_round":
             p = self.predictor_setting()
             return f"no estimate (mode one_round), predictor={p.name} {p.value:g}"
@@ -275,13 +299,17 @@ class AccoConfig(BaseModel):
         name, paper = self.estimate.name(), '"estimate": "paper"'
         return f"estimate={name} ({paper})" if name == "the paper's" else f"estimate={name}, the paper's: {paper}"
 
+    def schedule_modes(self) -> Tuple[str, ...]:
+        """The ACCO schedules this config may run: its mode, or mode 'auto''s candidates besides stock."""
+        return tuple(m for m in self.auto_modes if m != "stock") if self.mode == "auto" else (self.mode,)
+
     def predictor_setting(self) -> PredictorConfig:
         """The predictor of mode 'one_round' (the default, ef 0.5, when the block names none)."""
         return self.predictor or PredictorConfig()
 
     def phase_length(self, gradient_accumulation_steps: int) -> int:
         """Micro-batches per phase and rank in fixed accumulation (in 'shared': the equal share)."""
-        return gradient_accumulation_steps // 2 if self.mode == "acco" else gradient_accumulation_steps
+        return gradient_accumulation_steps // 2 if self.mode in ("acco", "auto") else gradient_accumulation_steps
 
     def dynamic_bounds(self, gradient_accumulation_steps: int) -> DynamicConfig:
         """The dynamic settings with defaults resolved against the fixed phase length."""
@@ -290,6 +318,18 @@ class AccoConfig(BaseModel):
             d = d.model_copy(update={"max_micro_batches": max(d.min_micro_batches,
                                                               4 * self.phase_length(gradient_accumulation_steps))})
         return d
+
+
+def _check_auto(cfg: AccoConfig, block: Mapping[str, Any]) -> None:
+    """Mode 'auto': its candidates (stock and at least one ACCO mode, each once) and fixed accumulation."""
+    modes = cfg.auto_modes
+    if "stock" not in modes or len(modes) < 2 or len(set(modes)) != len(modes):
+        raise _refused("acco_invalid_value", f"acco.auto_modes = {block.get('auto_modes')!r}: must list \"stock\" "
+                       "and at least one of \"acco\", \"one_round\", each once; fix: e.g. [\"stock\", \"acco\"] "
+                       "(the default) or [\"stock\", \"acco\", \"one_round\"]")
+    if cfg.accumulation != "fixed":
+        raise _refused("auto_accumulation", f"acco.accumulation = {cfg.accumulation!r} with acco.mode = 'auto'; fix: "
+                       "use \"accumulation\": \"fixed\" (or name the mode, e.g. \"mode\": \"acco\")")
 
 
 def _refused(key: str, message: str) -> ValueError:
