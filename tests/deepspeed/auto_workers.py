@@ -18,7 +18,7 @@ def _engine(case):
     engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, config=ds_config(case["gas"], case["acco"]))
     lines = []
     choice = engine.optimizer.schedule.auto
-    if choice is not None:  # the decision's log line, as announced (rank 0: the engine's log)
+    if choice is not None and choice.announce is not None:  # the decision's line to the engine's log (rank 0)
         announce = choice.announce
         choice.announce = lambda line: (lines.append(line), announce(line))
     return engine, lines
@@ -58,8 +58,8 @@ def train_cases(cases):
 def resume(case, save_dir, save_at, total, resumed_times):
     """Saved after micro-batch ``save_at`` and trained on; loaded into a fresh engine (whose measured times,
     ``resumed_times``, would decide otherwise) and trained on: both runs' results after the save."""
-    rank = dist.get_rank()
     saving, lines = _engine(case)
+    rank = dist.get_rank()
     losses = []
     _steps(saving, rank, 0, save_at + 1, losses)
     saving.save_checkpoint(save_dir, tag="mid")

@@ -77,7 +77,7 @@ class AutoChoice:
         self.plan = plan  # options.AutoPlan: probe steps, candidates, each candidate's options
         self.samples: List[Tuple[float, float]] = []  # (C, R) of each measured stock step
         self.decision: Optional[dict] = None
-        self.announce: Callable[[str], None] = lambda line: None
+        self.announce: Optional[Callable[[str], None]] = None
 
     @property
     def runs_stock(self) -> bool:
@@ -105,7 +105,8 @@ class AutoChoice:
         choice, reason = decide(c, r, self.plan.candidates)
         self._adopt({"choice": choice, "compute_s": c, "round_s": r, "step": s.step_index, "reason": reason,
                      "candidates": list(self.plan.candidates)})
-        self.announce(self.line())
+        if self.announce is not None:
+            self.announce(self.line())
 
     def _agree(self, values: List[float]) -> List[float]:
         """[max C, min R, min n] over the ranks (NaN, a rank with nothing measured, counts as n = 0)."""
