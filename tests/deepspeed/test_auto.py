@@ -100,3 +100,32 @@ def test_resume_continues_exactly(tmp_path, case, save_at, resumed_times):
         assert resumed["decision"] == saving["decision"] and saving["decision"]["step"] == K
         assert _same(resumed, saving), rank
         assert resumed["mode"] == saving["mode"]
+
+
+def _one_round_after_k(gamma=0.5, start_at_theta_k=True):
+    """θ_T of K stock steps then the one-round mode (ef γ) from θ_K: P_K = P_{K+1} = θ_K (float64)."""
+    from fixtures import TinyNet, batch, make_optimizer
+    from reference import _global_mean_grad, _Trainer
+    tr = _Trainer(TinyNet(seed=0), make_optimizer("adamw"), None, 0.0)
+    start = tr.params()
+    batches = lambda t: [batch(r, GAS * t + i) for r in range(WORLD) for i in range(GAS)]  # noqa: E731
+    for t in range(K):
+        tr.commit(_global_mean_grad(tr.model, tr.params(), batches(t)))
+    p0 = tr.params() if start_at_theta_k else start
+    points = {K: tr.params(), K + 1: p0}
+    for t in range(K, STEPS):
+        before = tr.params()
+        tr.commit(_global_mean_grad(tr.model, points[t], batches(t)))
+        theta = tr.params()
+        points[t + 2] = {n: theta[n] + (theta[n] - before[n]) + gamma * (theta[n] - points[t + 1][n]) for n in theta}
+    return tr.params()
+
+
+def test_one_round_after_k_stock_steps_is_the_recurrence_from_theta_k(runs):
+    """``"mode": "one_round", "sync_warmup_steps": K`` (what auto's one_round is, bit for bit): K stock
+    steps, then the one-round recurrence started at θ_K. Catches: the predictor's point left at θ_0
+    (not restarted at the bootstrap), a stock step's round writing a prediction."""
+    from reference import rel_distance
+    want, stale = _one_round_after_k(), _one_round_after_k(start_at_theta_k=False)
+    assert rel_distance(stale, want) > 1e-3
+    assert rel_distance(runs["one-round-after-K"][0]["final"], want) < 1e-5
