@@ -108,7 +108,8 @@ _ROWS = (
             "set a valid value or remove the key to get the default"),
     Refusal("acco_no_effect", "a key that has no effect with the other settings of the block",
             "it would be ignored (acco.dynamic without dynamic accumulation, sigterm_checkpoint_dir without "
-            "sigterm 'checkpoint', estimate or sync_warmup_steps in mode 'dpu' / 'one_round', predictor in another mode)",
+            "sigterm 'checkpoint', estimate in mode 'dpu' / 'one_round', sync_warmup_steps in 'dpu' / 'auto', predictor "
+            "without the one-round mode, auto_* keys without mode 'auto')",
             "remove the key, or set the setting it belongs to"),
     Refusal("acco_sigterm_checkpoint_dir", "acco.sigterm 'checkpoint' without acco.sigterm_checkpoint_dir",
             "a checkpoint on SIGTERM needs a directory to save to",
