@@ -5,7 +5,8 @@ import torch.distributed as dist
 
 import ds_acco
 from ds_acco.core.schedule import auto
-from fixtures import TinyNet, batch, ds_config, make_optimizer
+from fixtures import TinyNet, ds_config, make_optimizer
+from one_round_workers import _steps
 from workers import snapshot
 
 
@@ -22,15 +23,6 @@ def _engine(case):
         announce = choice.announce
         choice.announce = lambda line: (lines.append(line), announce(line))
     return engine, lines
-
-
-def _steps(engine, rank, lo, hi, losses):
-    for i in range(lo, hi):
-        x, y = batch(rank, i)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
 
 
 def _end(engine, losses, lines):
