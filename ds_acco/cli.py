@@ -83,7 +83,7 @@ def _gas_hint(given: dict, gas: Optional[int], acco, error: Exception) -> str:
         return ""
     if gas is not None:
         return f"; {GAS} comes from the trainer here (--gas): set it there (Lightning: Trainer(accumulate_grad_batches))"
-    if acco.mode != "acco" or GAS in given or "train_batch_size" in given:
+    if "acco" not in acco.schedule_modes() or GAS in given or "train_batch_size" in given:
         return ""
     return (f"; the config has no {GAS}: if your trainer supplies it (Lightning: Trainer(accumulate_grad_batches=K)), "
             "check with --gas K")

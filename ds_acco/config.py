@@ -8,7 +8,7 @@ point parses it once (:meth:`AccoConfig.from_block`) and hands the parsed object
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -16,118 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 # importable from here.
 from .config_deepspeed import (ACCO_KEY, BATCH_KEYS, data_parallel_size, deepspeed_config_at,  # noqa: F401
                                load_ds_config, marked_params, requested_layout, steps_with_increment)
+from .config_blocks import (DEFAULT_LR_SCALE, DRIFT_EVERY, FAMILY_DOC, MAX_CHUNK_ELEMENTS,  # noqa: F401
+                            NORMALISED_LR_SCALE, PREDICTOR_COEFS, DynamicConfig, EstimateConfig, MetricsConfig,
+                            PredictorConfig)
 from .config_families import NORMALISED, family_of
 from .config_routing import (OPT_OUT_ENV, RUN_THROUGH_DS_ACCO, note_opt_out, opted_out,  # noqa: F401
                              stock_engine_refusal)
-
-class DynamicConfig(BaseModel):
-    """When a phase ends in ``"accumulation": "dynamic"``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    min_micro_batches: int = Field(1, ge=1, description="A phase never ends before this many micro-batches.")
-    max_micro_batches: Optional[int] = Field(
-        None, ge=1, description="A phase ends here even if its round is still running (the wait is measured); "
-        "default 4 x the fixed phase length.")
-    check_every: int = Field(1, ge=1, description="Poll the round's completion every this many micro-batches.")
-    lr_scaling: Literal["none", "sqrt", "linear"] = Field(
-        "none", description="Scale each round's learning rate by (its global micro-batches / what fixed "
-        "accumulation would give it) to this power (none: 0, sqrt: 0.5, linear: 1), so that the larger "
-        "batches of long rounds move the weights further. SGD / Adam / AdamW read the scaled rate without "
-        "writing the param groups; other optimizers have it written there for the step only.")
-
-    @property
-    def lr_power(self) -> float:
-        return {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.lr_scaling]
-
-
-MAX_CHUNK_ELEMENTS = 1 << 26  # acco.chunk_elements' hard bound (ds_acco.core.step.chunking.MAX_CHUNK_ELEMS)
-DRIFT_EVERY = 100  # the drift metric's default sampling: one commit in 100 pays its pass over the shard
-
-
-class MetricsConfig(BaseModel):
-    """Per-step overlap metrics."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    log_every: int = Field(0, ge=0, description="Rank 0 logs a metrics line every N committed steps (0: never).")
-    estimate_drift: bool = Field(True, description="Measure |θ̃_{t+1} − θ_{t+1}| / |θ_{t+1} − θ_t| and the "
-                                 "cosine of the two updates (acco mode), in the commits estimate_drift_every picks.")
-    estimate_drift_every: int = Field(
-        DRIFT_EVERY, ge=1, description="With estimate_drift: measure it in the commit of every N-th optimizer step "
-        "(steps 0, N, 2N, ...; 1: every commit). Each measured commit makes one extra pass over the shard.")
-
-    def drift_every(self) -> int:
-        """Every how many steps a commit measures the drift (0: never)."""
-        return self.estimate_drift_every if self.estimate_drift else 0
-    monitor: bool = Field(True, description="Write the metrics through DeepSpeed's monitor (tensorboard, csv, "
-                          "wandb blocks).")
-
-
-DEFAULT_LR_SCALE = 2.0  # the look-ahead estimate: beat stock with every moment optimizer measured (docs/estimate.md)
-# The normalised-update family's default (Adafactor, Lion: every coordinate moves by about lr, so the estimate at
-# 2·lr lands a whole step further): the paper's estimate, ahead of lr_scale 2 in both measured (docs/estimate.md)
-NORMALISED_LR_SCALE = 1.0
-FAMILY_DOC = "docs/estimate.md#the-default-per-optimizer-family"
-
-
-class EstimateConfig(BaseModel):
-    """How the estimate round computes θ̃_{t+1} (docs/estimate.md gives each as its recurrence). The
-    default is the look-ahead estimate (lr_scale 2): the estimate's step takes twice the learning
-    rate. The paper's estimate is ``"estimate": "paper"`` (lr_scale 1, second_moment 'update', no
-    delay compensation), v0.3's behaviour bit for bit."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    lr_scale: float = Field(
-        DEFAULT_LR_SCALE, gt=0, le=8, description="The estimate's optimizer step uses the learning rate times "
-        "this (its weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is "
-        "computed further along the update (a look-ahead). Default by the optimizer's family: 2 (SGD, Adam-like "
-        "and unknown optimizers: median held-out loss below stock's in every setting measured), 1 for the "
-        "normalised-update family (Adafactor, Lion; docs/estimate.md#the-default-per-optimizer-family).")
-    second_moment: Literal["update", "committed"] = Field(
-        "update", description="Adam's second moment in the estimate: 'update' it with the half-batch gradient "
-        "(the paper), or reuse the 'committed' one (bias-corrected for the committed steps).")
-    delay_compensation: float = Field(
-        0.0, ge=0, description="λ of DC-ASGD-a in the commit: the first-half mean gradient becomes "
-        "g̃ + λ g̃ ⊙ g̃ ⊙ (θ_t − θ̃_t) / (√v̂_t + ε) (Adam only; one extra fp32 shard per rank). 0: off.")
-
-    @classmethod
-    def paper(cls) -> "EstimateConfig":
-        return cls(lr_scale=1.0, second_moment="update", delay_compensation=0.0)
-
-    def name(self, default_lr_scale: float = DEFAULT_LR_SCALE) -> str:
-        """This estimate as the start-up banner names it: "the paper's", the default's name, or the
-        keys that depart from the paper's (docs/estimate.md specifies each); ``default_lr_scale``:
-        the optimizer family's default (:meth:`AccoConfig.for_optimizer`)."""
-        if self == self.paper():
-            return "the paper's"
-        keys = [f"lr_scale={self.lr_scale:g}"] if self.lr_scale != 1.0 else []
-        keys += [f"second_moment={self.second_moment}"] if self.second_moment != "update" else []
-        keys += [f"delay_compensation={self.delay_compensation:g}"] if self.delay_compensation else []
-        default = " (the default)" if self == type(self)(lr_scale=default_lr_scale) else ""
-        kind = "look-ahead" if self.lr_scale > 1.0 else "variant"
-        return f"{kind} {', '.join(keys)}{default}"
-
-
-PREDICTOR_COEFS = {"ef": 0.5, "ext": 1.0, "nag": 1.0}  # ds_acco.core.step.predict.PREDICTORS' defaults
-
-
-class PredictorConfig(BaseModel):
-    """Mode 'one_round': the point P_{t+1} the whole next step is computed at (docs/estimate.md)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    name: Literal["ef", "ext", "nag"] = Field(
-        "ef", description="'ef' (error feedback, γ), 'ext' (extrapolation, c) or 'nag' (AdamW look-ahead along "
-        "the momentum, c; torch Adam / AdamW only).")
-    coef: Optional[float] = Field(None, ge=0, le=8, description="γ of ef (below 1; default 0.5) or c of ext / nag "
-                                  "(default 1).")
-
-    @property
-    def value(self) -> float:
-        return PREDICTOR_COEFS[self.name] if self.coef is None else self.coef
-
 
 class AccoConfig(BaseModel):
     """Settings of the ``"acco"`` block (see the README's config reference)."""
@@ -135,9 +29,17 @@ class AccoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     enabled: bool = Field(False, description="Use ACCO; false gives stock ZeRO-1, bit for bit.")
-    mode: Literal["acco", "dpu", "one_round"] = Field(
+    mode: Literal["acco", "dpu", "one_round", "auto"] = Field(
         "acco", description="'acco': estimate + commit rounds; 'dpu': one-step-delayed update; 'one_round': one "
-        "commit round per step, the next step computed at a predicted point (acco.predictor).")
+        "commit round per step, the next step computed at a predicted point (acco.predictor); 'auto': the first "
+        "auto_probe_steps steps are stock's and measure a round against the compute, then every rank runs the "
+        "mode of auto_modes the measured times predict fastest (stock unless an ACCO mode is 5% faster).")
+    auto_probe_steps: int = Field(
+        3, ge=2, description="Mode 'auto': the stock steps before the decision (the first is a warm-up, not "
+        "measured; the others' medians decide).")
+    auto_modes: Tuple[Literal["stock", "acco", "one_round"], ...] = Field(
+        ("stock", "acco"), description="Mode 'auto': the modes it may choose; \"stock\" and at least one of "
+        "\"acco\" (fixed accumulation) and \"one_round\" (which trains worse than stock: opt in by listing it).")
     predictor: Optional[PredictorConfig] = Field(
         None, description="Mode 'one_round': the predictor, e.g. {\"name\": \"ef\", \"coef\": 0.5} (the default) "
         "or \"nag\".")
@@ -216,6 +118,8 @@ class AccoConfig(BaseModel):
     def _coerce(cls, block: Mapping[str, Any]) -> dict:
         # strict=True refuses ints for floats; JSON writers often emit 600 for 600.0.
         out = dict(block)
+        if isinstance(out.get("auto_modes"), list):
+            out["auto_modes"] = tuple(out["auto_modes"])
         v = out.get("comm_timeout_s")
         if isinstance(v, int) and not isinstance(v, bool):
             out["comm_timeout_s"] = float(v)
@@ -247,15 +151,25 @@ class AccoConfig(BaseModel):
             raise _refused("acco_no_effect", f"acco.sigterm_checkpoint_dir = {cfg.sigterm_checkpoint_dir!r} has no "
                            f"effect with acco.sigterm = {cfg.sigterm!r}; fix: set \"sigterm\": \"checkpoint\" or "
                            "remove it")
-        if cfg.mode != "acco" and ("estimate" in block or cfg.sync_warmup_steps):
-            key = "estimate" if "estimate" in block else "sync_warmup_steps"
+        modes = cfg.schedule_modes()
+        if cfg.mode == "auto":
+            _check_auto(cfg, block)
+        elif "auto_probe_steps" in block or "auto_modes" in block:
+            key = "auto_probe_steps" if "auto_probe_steps" in block else "auto_modes"
             raise _refused("acco_no_effect", f"acco.{key} = {block.get(key)!r} has no effect with acco.mode = "
-                           f"{cfg.mode!r} (it has no estimate round); fix: remove acco.{key} or use \"mode\": \"acco\"")
-        if cfg.predictor is not None and cfg.mode != "one_round":
+                           f"{cfg.mode!r}; fix: remove acco.{key} or use \"mode\": \"auto\"")
+        if "acco" not in modes and "estimate" in block:
+            raise _refused("acco_no_effect", f"acco.estimate = {block.get('estimate')!r} has no effect with acco.mode = "
+                           f"{cfg.mode!r} (it has no estimate round); fix: remove acco.estimate or use \"mode\": \"acco\"")
+        if cfg.mode not in ("acco", "one_round") and cfg.sync_warmup_steps:
+            raise _refused("acco_no_effect", f"acco.sync_warmup_steps = {cfg.sync_warmup_steps!r} has no effect with "
+                           f"acco.mode = {cfg.mode!r} (mode 'auto': auto_probe_steps); fix: remove "
+                           "acco.sync_warmup_steps or use \"mode\": \"acco\"")
+        if cfg.predictor is not None and "one_round" not in modes:
             raise _refused("acco_no_effect", f"acco.predictor = {block.get('predictor')!r} has no effect with "
-                           f"acco.mode = {cfg.mode!r}; fix: remove acco.predictor or use \"mode\": \"one_round\"")
-        if cfg.mode == "one_round" and cfg.predictor is not None and cfg.predictor.name == "ef" \
-                and cfg.predictor.value >= 1:
+                           f"acco.mode = {cfg.mode!r}; fix: remove acco.predictor or use \"mode\": \"one_round\" "
+                           "(mode 'auto': list \"one_round\" in auto_modes)")
+        if cfg.predictor is not None and cfg.predictor.name == "ef" and cfg.predictor.value >= 1:
             raise _refused("acco_invalid_value", f"acco.predictor.coef = {cfg.predictor.value!r} with name 'ef': γ "
                            "must be below 1 (the error feedback's offset is stable for γ < 1); fix: set a coef "
                            "below 1 or remove it to get the default 0.5")
@@ -278,8 +192,9 @@ class AccoConfig(BaseModel):
         does not set ``estimate.lr_scale``, the default of the optimizer's family (``DEFAULT_LR_SCALE``
         for the moment family and an unknown class, ``NORMALISED_LR_SCALE`` for the normalised-update
         family; the table: config_families.py), which the banner then names. Every adapter calls it once
-        on what it built, before check point 2; a given lr_scale always wins."""
-        if self.mode != "acco":
+        on what it built, before check point 2; a given lr_scale always wins (mode 'auto': for its
+        'acco' candidate)."""
+        if "acco" not in self.schedule_modes():
             return self
         family = family_of(optimizer)
         default = NORMALISED_LR_SCALE if family.family == NORMALISED else DEFAULT_LR_SCALE
@@ -294,6 +209,10 @@ class AccoConfig(BaseModel):
     def estimate_in_banner(self) -> str:
         """The banner's words for the estimate: the optimizer's family and what it gave
         (:meth:`for_optimizer`), the estimate in use and the key that gives the paper's (docs/estimate.md)."""
+        if self.mode == "auto":
+            modes = self.schedule_modes()
+            return (f"auto between stock and {' / '.join(modes)} after {self.auto_probe_steps} stock steps"
+                    + "".join(f"; if {m}: " + self.model_copy(update={"mode": m}).estimate_in_banner() for m in modes))
         if self.mode == "one_round":
             p = self.predictor_setting()
             return f"no estimate (mode one_round), predictor={p.name} {p.value:g}"
@@ -304,13 +223,17 @@ class AccoConfig(BaseModel):
         words = f"estimate={name} ({paper})" if name == "the paper's" else f"estimate={name}, the paper's: {paper}"
         return f"{family}; {words}" if family else words
 
+    def schedule_modes(self) -> Tuple[str, ...]:
+        """The ACCO schedules this config may run: its mode, or mode 'auto''s candidates besides stock."""
+        return tuple(m for m in self.auto_modes if m != "stock") if self.mode == "auto" else (self.mode,)
+
     def predictor_setting(self) -> PredictorConfig:
         """The predictor of mode 'one_round' (the default, ef 0.5, when the block names none)."""
         return self.predictor or PredictorConfig()
 
     def phase_length(self, gradient_accumulation_steps: int) -> int:
         """Micro-batches per phase and rank in fixed accumulation (in 'shared': the equal share)."""
-        return gradient_accumulation_steps // 2 if self.mode == "acco" else gradient_accumulation_steps
+        return gradient_accumulation_steps // 2 if self.mode in ("acco", "auto") else gradient_accumulation_steps
 
     def dynamic_bounds(self, gradient_accumulation_steps: int) -> DynamicConfig:
         """The dynamic settings with defaults resolved against the fixed phase length."""
@@ -319,6 +242,18 @@ class AccoConfig(BaseModel):
             d = d.model_copy(update={"max_micro_batches": max(d.min_micro_batches,
                                                               4 * self.phase_length(gradient_accumulation_steps))})
         return d
+
+
+def _check_auto(cfg: AccoConfig, block: Mapping[str, Any]) -> None:
+    """Mode 'auto': its candidates (stock and at least one ACCO mode, each once) and fixed accumulation."""
+    modes = cfg.auto_modes
+    if "stock" not in modes or len(modes) < 2 or len(set(modes)) != len(modes):
+        raise _refused("acco_invalid_value", f"acco.auto_modes = {block.get('auto_modes')!r}: must list \"stock\" "
+                       "and at least one of \"acco\", \"one_round\", each once; fix: e.g. [\"stock\", \"acco\"] "
+                       "(the default) or [\"stock\", \"acco\", \"one_round\"]")
+    if cfg.accumulation != "fixed":
+        raise _refused("auto_accumulation", f"acco.accumulation = {cfg.accumulation!r} with acco.mode = 'auto'; fix: "
+                       "use \"accumulation\": \"fixed\" (or name the mode, e.g. \"mode\": \"acco\")")
 
 
 def _refused(key: str, message: str) -> ValueError:

@@ -134,6 +134,8 @@ class AccoDriver:
             options=self.options, reduce_scatter=collectives.uses_reduce_scatter(rounds_group), norm_group=norm_group,
             loss_scale=host.loss_scale, report=self._report, on_commit=self._on_commit,
             before_launch=self.lr.step_owed, after_launch=self._launched)
+        if self.schedule.auto is not None and dist.get_rank() == 0:
+            self.schedule.auto.announce = self.log  # mode 'auto': its decision, inputs and rule
         self.commits_launched = 0  # optimizer steps ended on this rank (a host counts its steps by it)
         self._boundary: Optional[bool] = None
         self._abandoned = False

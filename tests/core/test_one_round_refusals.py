@@ -34,7 +34,7 @@ def test_the_predictor_and_its_defaults(predictor, name, coef):
     ({"enabled": True, "predictor": "ef"}, "acco_no_effect"),
     ({"enabled": True, "mode": "dpu", "predictor": "ef"}, "acco_no_effect"),
     (dict(ONE, estimate="paper"), "acco_no_effect"),
-    (dict(ONE, sync_warmup_steps=2), "acco_no_effect"),
+    ({"enabled": True, "mode": "dpu", "sync_warmup_steps": 2}, "acco_no_effect"),  # one_round takes it (auto)
     (dict(ONE, predictor={"name": "ef", "coef": 1.0}), "acco_invalid_value"),
     (dict(ONE, predictor="heavy"), "acco_invalid_value"),
     (dict(ONE, predictor={"name": "ef", "gamma": 0.5}), "acco_unknown_key"),

@@ -48,6 +48,8 @@ def test_an_unknown_class_is_the_moment_family_and_said_so():
     ({"enabled": True, "estimate": "paper"}, "adamw", 1.0),
     ({"enabled": True}, "adamw", DEFAULT_LR_SCALE),
     ({"enabled": True}, "unknown", DEFAULT_LR_SCALE),
+    ({"enabled": True, "mode": "auto"}, "lion", NORMALISED_LR_SCALE),  # auto's 'acco' candidate: the family's
+    ({"enabled": True, "mode": "auto", "auto_modes": ["stock", "one_round"]}, "lion", DEFAULT_LR_SCALE),  # none
 ])
 def test_the_default_lr_scale_by_family_and_a_given_one_wins(block, optimizer, want):
     from lion_pytorch import Lion

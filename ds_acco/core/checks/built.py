@@ -50,12 +50,13 @@ def check_built(acco, built: Built) -> None:
         return
     shard = built.shard_optimizer
     if shard is not None:
-        check_estimate_variant(acco.estimate, shard, rounds=acco.mode == "acco")
+        check_estimate_variant(acco.estimate, shard, rounds="acco" in acco.schedule_modes())
         dynamic = acco.dynamic if acco.accumulation == "dynamic" else None
         if dynamic is not None and dynamic.lr_power:  # every round's rate is scaled: a rate in every group
             check_lr_scaled(f"acco.dynamic.lr_scaling = {dynamic.lr_scaling!r}", '"lr_scaling": "none"', shard)
-    if acco.mode == "one_round":
-        check_one_round(acco.predictor_setting(), built)
+    if "one_round" in acco.schedule_modes():
+        check_one_round(acco.predictor_setting(), built, "acco.mode = 'one_round'" if acco.mode == "one_round"
+                        else f"acco.auto_modes = {list(acco.auto_modes)!r}")
     if built.foreign_optimizer is not None:
         raise refuse("not_zero1_optimizer", f"acco.enabled = true but DeepSpeed built {built.foreign_optimizer}")
     if built.estimate_dtype_row and built.comm_dtype is not None:
@@ -83,11 +84,11 @@ def check_estimate_variant(estimate, shard_optimizer, rounds: bool = True) -> No
         check_lr_scaled(f"acco.estimate.lr_scale = {estimate.lr_scale!r}", '"estimate": "paper"', shard_optimizer)
 
 
-def check_one_round(predictor, built: Built) -> None:
+def check_one_round(predictor, built: Built, found: str = "acco.mode = 'one_round'") -> None:
     """Mode 'one_round': DeepSpeed's flat buffers only; 'nag' reads torch Adam / AdamW's m and v; 'ext'
     keeps θ_{t-1} in bytes of B the round no longer needs, on every rank (:func:`..step.predict.scratch_offset`)."""
     if built.fsdp is not None:
-        raise refuse("one_round_fsdp", "AccoFSDP with acco.mode = 'one_round'")
+        raise refuse("one_round_fsdp", f"AccoFSDP with {found}")
     shard = built.shard_optimizer
     if predictor.name == "nag" and shard is not None and not shard.committed_second_moment:
         raise refuse("one_round_predictor_optimizer", "acco.predictor.name = 'nag'",

@@ -108,7 +108,8 @@ _ROWS = (
             "set a valid value or remove the key to get the default"),
     Refusal("acco_no_effect", "a key that has no effect with the other settings of the block",
             "it would be ignored (acco.dynamic without dynamic accumulation, sigterm_checkpoint_dir without "
-            "sigterm 'checkpoint', estimate or sync_warmup_steps in mode 'dpu' / 'one_round', predictor in another mode)",
+            "sigterm 'checkpoint', estimate in mode 'dpu' / 'one_round', sync_warmup_steps in 'dpu' / 'auto', predictor "
+            "without the one-round mode, auto_* keys without mode 'auto')",
             "remove the key, or set the setting it belongs to"),
     Refusal("acco_sigterm_checkpoint_dir", "acco.sigterm 'checkpoint' without acco.sigterm_checkpoint_dir",
             "a checkpoint on SIGTERM needs a directory to save to",
@@ -160,6 +161,9 @@ _ROWS = (
             "the one-round mode is built and checked for fixed phases only (one commit round per "
             "gradient_accumulation_steps micro-batches); its dynamic and shared phase ends are not implemented",
             "use \"accumulation\": \"fixed\" (or \"mode\": \"acco\")"),
+    Refusal("auto_accumulation", "acco.mode 'auto' with accumulation other than 'fixed'",
+            "mode 'auto' chooses between stock's step and the fixed schedules by the step-time rules of fixed phases",
+            "use \"accumulation\": \"fixed\" (or name the mode, e.g. \"mode\": \"acco\")"),
     Refusal("one_round_predictor_optimizer", "acco.predictor 'nag' with an optimizer whose m, v it cannot read",
             "reads the committed first and second moments of torch Adam / AdamW, which {optimizer} (with these "
             "settings) does not give",
@@ -174,7 +178,8 @@ _ROWS = (
     Refusal("one_round_fsdp", "AccoFSDP with acco.mode 'one_round'",
             "the one-round mode is implemented for DeepSpeed ZeRO-1's flat buffers only (FSDP2's rank-major "
             "layout and sharded_params gathering are not)",
-            "use ds_acco.initialize (DeepSpeed ZeRO-1), or mode 'acco' / 'dpu' with AccoFSDP"),
+            "use ds_acco.initialize (DeepSpeed ZeRO-1), or mode 'acco' / 'dpu' with AccoFSDP (mode 'auto': leave "
+            "\"one_round\" out of auto_modes)"),
     Refusal("one_round_export", "an export outside a committed_weights() block in mode 'one_round'",
             "the model's replica holds the predicted point P, never θ; θ lives in the fp32 master shards and "
             "reaches the model only through an all-gather, a collective",
@@ -285,7 +290,7 @@ _ROWS = (
         "the one-round mode is built and checked on data-parallel ZeRO-1 only (its predictors and the gather of θ "
         "for evaluations are not tested over model-parallel groups)",
         "train without tensor parallelism, or use mode 'acco' / 'dpu'",
-        found_in=lambda a, l: a.mode == "one_round" and l.tensor_parallel > 1 and (
+        found_in=lambda a, l: "one_round" in a.schedule_modes() and l.tensor_parallel > 1 and (
             f"acco.mode = 'one_round' with tensor parallelism ({l.tensor_parallel_from} = {l.tensor_parallel})")),
     # -- FSDP2 (AccoFSDP) ----------------------------------------------------------------------------------
     Refusal("fsdp_disabled", "AccoFSDP with acco.enabled = false", "AccoFSDP always runs ACCO/DPU",
@@ -344,7 +349,7 @@ def check_schedule_compat(acco, gradient_accumulation_steps: int, fp16=None) -> 
     fp16_dynamic_loss_scale = fp16 is not None and fp16.loss_scale == 0
     if fp16 is not None and getattr(fp16, "fp16_master_weights_and_grads", False):
         raise refuse("fp16_master_weights", "fp16.fp16_master_weights_and_grads = true")
-    if acco.mode == "acco" and (gas < 2 or gas % 2):
+    if "acco" in acco.schedule_modes() and (gas < 2 or gas % 2):
         raise refuse("odd_accumulation", f"gradient_accumulation_steps = {gas}", even=max(2, gas + gas % 2))
     if fp16_dynamic_loss_scale and acco.estimate_comm_dtype == "fp16":
         raise refuse("fp16_estimate_round", "acco.estimate_comm_dtype = 'fp16' with fp16 dynamic loss scaling")

@@ -227,12 +227,13 @@ def write_shards(ctx: RoundContext, kind: RoundKind = RoundKind.COMMIT) -> None:
         torch._foreach_copy_([v for _, o in outs if o is not None for v in o], srcs)
 
 
-def write_params(ctx: RoundContext, kind: RoundKind, settings=None, lr_factor: float = 1.0) -> None:
-    """:func:`write_shards`, or, a commit with a predictor (mode one_round), P_{t+1} in θ_{t+1}'s place."""
-    if ctx.predictor is None or kind is not RoundKind.COMMIT:
+def write_params(ctx: RoundContext, kind: RoundKind, settings=None, lr_factor: float = 1.0,
+                 predictor: Optional["Predictor"] = None) -> None:
+    """:func:`write_shards`, or, a commit with ``predictor`` (mode one_round), P_{t+1} in θ_{t+1}'s place."""
+    if predictor is None or kind is not RoundKind.COMMIT:
         return write_shards(ctx, kind)
     outs = [v for g in ctx.groups for v in (g.param_outputs(kind) or [])]
-    ctx.predictor.after_step(outs, ctx.shard_optimizer.optimizer, settings, lr_factor)
+    predictor.after_step(outs, ctx.shard_optimizer.optimizer, settings, lr_factor)
 
 
 def _copy_shards(ctx: RoundContext, dsts: List[torch.Tensor]) -> None:
@@ -329,14 +330,15 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
         grad_norm = math.sqrt(host[0]) if host[0] >= 0 else float("nan")  # the same on every rank: so is the skip
         skipped = not math.isfinite(grad_norm)
         lr_factor = 1.0
-        if ctx.predictor is not None and kind is RoundKind.COMMIT:
-            ctx.predictor.before_step()  # the shards still hold θ_t
+        predictor = None if sync else ctx.predictor  # stock's step (sync): θ_{t+1} itself, no prediction
+        if predictor is not None and kind is RoundKind.COMMIT:
+            predictor.before_step()  # the shards still hold θ_t
         if skipped:
             if ctx.nonfinite == "raise":
                 raise NonFiniteGradientError(
                     f"round '{kind.value} {step}': the global mean gradient is not finite (norm {grad_norm}); "
                     "set acco.nonfinite to 'skip' to skip such updates instead")
-            write_params(ctx, kind, settings)  # no update: the estimate falls back to θ_t, a commit keeps θ_t
+            write_params(ctx, kind, settings, predictor=predictor)  # no update: an estimate falls back to θ_t
             if delay is not None and kind is RoundKind.ESTIMATE:
                 delay.clear()  # no compensation from a non-finite first half
         else:
@@ -350,7 +352,7 @@ def run_round(ctx: RoundContext, kind: RoundKind, step: int, local: Tally, repor
                     ctx.shard_optimizer.commit(param_grads, lr_scale=lr_factor, settings=settings)
                     if before is not None:
                         ctx.pending_drift = drift_sums(ctx.groups, before, ctx.chunk_elems, ctx.process_group)
-                    write_params(ctx, kind, settings, lr_factor)
+                    write_params(ctx, kind, settings, lr_factor, predictor)
                 else:
                     outs = [v for g in ctx.groups for v in g.param_outputs(kind)]
                     lr_factor *= ctx.estimate_lr_scale

@@ -28,6 +28,7 @@ class ComputeClock:
 
     def __init__(self):
         self.seconds_per_micro_batch = math.nan  # over the last measured phase
+        self.phase_compute_s = math.nan  # the compute seconds of the last phase ended (NaN: it was not measured)
         self._phase_start: Optional[tuple] = None  # (phase start, off-clock seconds then); None: not measured
         self._off_s = 0.0  # seconds off the clock, ever
         self._depth = 0
@@ -48,9 +49,11 @@ class ComputeClock:
     def end_phase(self, micro_batches: int) -> None:
         """At a phase end: the phase that ends had ``micro_batches``; set :attr:`seconds_per_micro_batch`
         if that phase was measured (it was not: the bootstrap, a phase begun before a load or reset)."""
+        self.phase_compute_s = math.nan
         if self._phase_start is not None and micro_batches > 0:
             started, off = self._phase_start
-            self.seconds_per_micro_batch = (time.perf_counter() - started - (self._off_s - off)) / micro_batches
+            self.phase_compute_s = time.perf_counter() - started - (self._off_s - off)
+            self.seconds_per_micro_batch = self.phase_compute_s / micro_batches
 
     def start_phase(self) -> None:
         """A phase begins now: it is measured at its end."""

@@ -9,17 +9,15 @@ Phases and rounds (mode 'acco'):
 Mode 'dpu' has only commit rounds: at each phase end, model ← θ_k, B ← G, G ← 0, round k.
 Each phase end is a row of :data:`.transitions.TRANSITIONS` (by mode and phase ended).
 
-The LR scheduler is not stepped at a commit's collection: its step for step t falls due when the
-commit round C_t is launched (``after_launch``) and is taken right after, at the latest before the
-next launch (``before_launch``; the driver's LR bookkeeping, :mod:`..lifecycle.lr_bookkeeping`), so
-both rounds of step t use step t's rate. The commit's collection (``on_commit``) books it: step
-counters, loss scaler, and a skipped commit's scheduler step undone (a scheduler that cannot be
-undone is stepped there instead, once the commit is known applied).
+The LR scheduler's step for step t falls due when C_t is launched (``after_launch``), is taken right
+after (``before_launch`` at the latest: :mod:`..lifecycle.lr_bookkeeping`) and booked, or undone for a
+skipped commit, at the commit's collection (``on_commit``): both rounds of step t use step t's rate.
 
-The synchronous warm-up (``acco.sync_warmup_steps`` = K, mode 'acco', fixed accumulation) first runs
-stock's schedule with ACCO's buffers: K phases of kind SYNC, each A micro-batches at θ_t into G, then
-B ← G, G ← 0, one commit round waited for at once, model ← θ_{t+1} before the next micro-batch (no
-overlap: the weights are stock ZeRO-1's). ACCO then bootstraps from θ_K (θ̃_K = θ_K).
+The synchronous warm-up (``acco.sync_warmup_steps`` = K, fixed accumulation) runs stock's step with
+ACCO's buffers: K phases SYNC of A micro-batches at θ_t, then B ← G, G ← 0, a commit round waited for at
+once, model ← θ_{t+1} (stock ZeRO-1's weights); then mode 'acco' (θ̃_K = θ_K) or 'one_round' (P = θ_K)
+bootstraps from θ_K. Mode 'auto' runs stock's steps until its part (:mod:`.auto`) decides, then stays
+there (stock) or adopts the mode chosen (:meth:`AccoSchedule.adopt`).
 
 G and B are the buffer groups' ``grads`` and ``comm`` (see :mod:`.buffers`); a round is
 :func:`.rounds.run_round` on the lane. The schedule holds its parts, each an object with a public
@@ -46,11 +44,12 @@ from ..round.kinds import Tally
 from ..round.report import RoundReport
 from ..round.rounds import RoundKind, RoundResult, run_round
 from .committed import CommittedWeights
+from .auto import AutoChoice
 from .compute_clock import ComputeClock
 from .drains import DrainAgreement
 from .inflight import InFlight
 from .options import ScheduleOptions
-from .phases import FixedPhases, PhaseKind, PhaseRecord, SharedPhases
+from .phases import PhaseKind, PhaseRecord, SharedPhases
 from .position import Position, position_field
 from .state import ScheduleState
 from .transitions import TRANSITIONS
@@ -67,33 +66,24 @@ class AccoSchedule:
         norm_group: tensor parallelism: a dedicated model-parallel group the norm is also summed over.
         options: see :class:`ScheduleOptions`.
         reduce_scatter: reduce with a reduce-scatter (NCCL) rather than all-reduce + slice (gloo).
-        loss_scale: returns the loss scale backward passes use now (fp16; None, or it returns None: 1). G always
-            carries the current scale: when it changes (the caller updates its scaler in
-            ``on_commit``), G is rescaled by the ratio, so a round never mixes scales; each round
-            divides by the scale G carried when it was packed.
-        report: called on the compute lane at each launch; a :class:`.report.RoundReport` that
-            travels with the round's counts to every rank (``RoundResult.peer_report``); the
-            schedule fills its drain fields.
-        on_commit: called on the compute lane once per committed step, after θ_{t+1} is known and
-            before the next round is launched.
-        before_launch: called on the compute lane before each round captures the optimizer's
-            settings (a learning-rate scheduler step still owed is taken there).
+        loss_scale: the loss scale backward passes use now (fp16; None, or it returns None: 1). G always carries
+            the current scale (rescaled when it changes, in ``on_commit``): a round divides by G's when packed.
+        report: called on the compute lane at each launch; a :class:`.report.RoundReport` that travels with the
+            round's counts to every rank (``RoundResult.peer_report``); the schedule fills its drain fields.
+        on_commit: called on the compute lane once per committed step, θ_{t+1} known, before the next launch.
+        before_launch: called on the compute lane before each round captures the optimizer's settings.
         after_launch: called on the compute lane with the kind of each round just launched.
     """
 
     def __init__(self, groups: Sequence[BufferGroup], shard_optimizer, lane: CommLane, *, process_group,
                  rank: int, world: int, options: ScheduleOptions, reduce_scatter: bool = False, norm_group=None,
-                 loss_scale: Optional[Callable[[], float]] = None,
-                 report: Optional[Callable[[], RoundReport]] = None,
+                 loss_scale: Optional[Callable[[], float]] = None, report: Optional[Callable[[], RoundReport]] = None,
                  on_commit: Optional[Callable[[RoundResult], None]] = None,
-                 before_launch: Optional[Callable[[], None]] = None,
-                 after_launch: Optional[Callable[[RoundKind], None]] = None):
+                 before_launch: Optional[Callable[[], None]] = None, after_launch: Optional[Callable[[RoundKind], None]] = None):
         self.groups = list(groups)
         self.lane = lane
         self.rank, self.world = rank, world
-        self.options = options
-        self.mode = options.mode
-        self.phases = options.phases
+        self.options, self.mode, self.phases = options, options.mode, options.phases
         if isinstance(self.phases, SharedPhases):
             self.phases = self.phases.for_rank(rank, world)  # equal shares (fixed mode's) until rates are known
         self._closed = False
@@ -107,9 +97,8 @@ class AccoSchedule:
                                              norm_group=norm_group, rank=rank, world=world,
                                              reduce_scatter=reduce_scatter,
                                              read_counts_first=self.agrees_drains)  # set again at each launch
-        # A step of the synchronous warm-up is stock's: the A micro-batches of two ACCO phases.
-        self.sync_phases = (FixedPhases(2 * self.phases.micro_batches) if isinstance(self.phases, FixedPhases)
-                            and self.mode == "acco" else None)
+        self.sync_phases = options.sync_phases()  # a step of the synchronous warm-up is stock's: A micro-batches
+        self.auto = AutoChoice(self, options.auto) if options.auto is not None else None  # mode 'auto'
         self.report = report
         self.on_commit = on_commit
         self.before_launch = before_launch
@@ -193,7 +182,12 @@ class AccoSchedule:
                          first_half_weight=collected.result.total.weight if row.first_half_weight else None)
             if row.sync:  # stock's step: waited for here, model ← θ_{t+1} before the next micro-batch
                 wait_s = self._collect_into_live(row.advance_step)
-            self._move(phase=self.opening_phase(self.step_index) if row.next_phase is None else row.next_phase)
+            if row.sync and self.auto is not None:
+                self.auto.after_stock_step(self.clock.phase_compute_s, self.recent_rounds[-1])  # may adopt a mode
+            nxt = self.opening_phase(self.step_index) if row.next_phase is None else row.next_phase
+            if row.sync and nxt is PhaseKind.BOOTSTRAP and self.context.predictor is not None:
+                self.context.predictor.start()  # one_round after stock steps: P = θ_K, as a run from θ_K
+            self._move(phase=nxt)
             data_step = 0 if row.data_step is None else step + row.data_step
             self.history.append(PhaseRecord(ended, data_step, self.phase_tally, wait_s, time.perf_counter(),
                                             reason or "forced"))
@@ -299,8 +293,19 @@ class AccoSchedule:
 
     def opening_phase(self, committed_steps: int) -> PhaseKind:
         """The phase a run starts in after ``committed_steps`` optimizer steps: a step of the
-        synchronous warm-up while fewer than ``sync_warmup_steps`` are done, else ACCO's bootstrap."""
-        return PhaseKind.SYNC if committed_steps < self.options.sync_warmup_steps else PhaseKind.BOOTSTRAP
+        synchronous warm-up while fewer than ``sync_warmup_steps`` are done or mode 'auto' runs stock (or has
+        not decided yet), else ACCO's bootstrap."""
+        stock = committed_steps < self.options.sync_warmup_steps or (self.auto is not None and self.auto.runs_stock)
+        return PhaseKind.SYNC if stock else PhaseKind.BOOTSTRAP
+
+    def adopt(self, options: ScheduleOptions) -> None:
+        """Run ``options``' mode from the next phase on (mode 'auto', after a stock step: nothing in flight)."""
+        ctx = self.context
+        self.options, self.mode, self.phases = options, options.mode, options.phases
+        self.committed.gather = self.gather_on_lane if options.mode == "one_round" else None
+        self.context = options.round_context(self.groups, ctx.shard_optimizer, process_group=ctx.process_group,
+                                             norm_group=ctx.norm_group, rank=self.rank, world=self.world,
+                                             reduce_scatter=ctx.reduce_scatter, read_counts_first=self.agrees_drains)
 
     def current_loss_scale(self) -> float:
         """The loss scale backward passes use now (1 without fp16 loss scaling)."""

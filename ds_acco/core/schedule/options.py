@@ -1,8 +1,9 @@
 """How the schedule runs: its options, read once from the ``"acco"`` config and the framework's settings."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..round.buffers import BufferGroup
 from ..round.rounds import RoundContext
@@ -10,6 +11,15 @@ from ..step import chunking
 from ..step.delay_compensation import DelayCompensation
 from ..step.predict import Predictor
 from .phases import DynamicPhases, FixedPhases, SharedPhases
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """Mode 'auto': ``probe_steps`` stock steps, then one of ``candidates`` ('stock' or a key of ``options``,
+    each mode's own options)."""
+    probe_steps: int
+    candidates: Tuple[str, ...]
+    options: Dict[str, "ScheduleOptions"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,7 @@ class ScheduleOptions:
     sync_warmup_steps: int = 0  # the first N steps run stock's synchronous schedule (acco.sync_warmup_steps)
     predictor: str = ""  # mode one_round: 'ef', 'ext' or 'nag' (acco.predictor.name)
     predictor_coef: float = 0.0  # its γ or c (acco.predictor.coef)
+    auto: Optional[AutoPlan] = None  # mode 'auto': stock steps, then one of its candidates (auto.py)
 
     def __post_init__(self):
         if self.mode not in ("acco", "dpu", "one_round"):
@@ -44,10 +55,18 @@ class ScheduleOptions:
         if self.lr_power and self.nominal_phase < 1:
             raise ValueError(f"lr_power {self.lr_power} needs the fixed-mode phase length (nominal_phase >= 1), "
                              f"got {self.nominal_phase}")
-        if self.sync_warmup_steps and (self.mode != "acco" or not isinstance(self.phases, FixedPhases)):
-            raise ValueError(f"sync_warmup_steps {self.sync_warmup_steps} needs mode 'acco' with fixed phases")
+        if (self.sync_warmup_steps or self.auto) and self.sync_phases() is None:
+            raise ValueError(f"sync_warmup_steps {self.sync_warmup_steps} / auto {self.auto}: need mode 'acco' or "
+                             "'one_round' with fixed phases")
         if self.delay_compensation and self.mode != "acco":
             raise ValueError(f"delay_compensation {self.delay_compensation} needs mode 'acco' (an estimate round)")
+
+    def sync_phases(self) -> Optional[FixedPhases]:
+        """The phase of stock's step (the synchronous warm-up, mode 'auto''s stock): A micro-batches, where
+        fixed phases have A/2 (acco) or A (one_round); None: this mode has none."""
+        if not isinstance(self.phases, FixedPhases) or self.mode not in ("acco", "one_round"):
+            return None
+        return FixedPhases(self.phases.micro_batches * (2 if self.mode == "acco" else 1))
 
     @classmethod
     def from_config(cls, acco, gradient_accumulation_steps: int, clip_grad: float = 0.0,
@@ -55,6 +74,12 @@ class ScheduleOptions:
         """From the parsed :class:`~ds_acco.config.AccoConfig` the entry point built (handed down: read
         here, never re-parsed) and the framework's accumulation count, clip and reduction
         (``sum_ranks``: summed over the ranks, not averaged)."""
+        if acco.mode == "auto":  # the probe runs in its first candidate's schedule (acco's, if a candidate)
+            modes = acco.schedule_modes()
+            each = {m: cls.from_config(acco.model_copy(update={"mode": m}), gradient_accumulation_steps, clip_grad,
+                                       sum_ranks) for m in modes}
+            plan = AutoPlan(acco.auto_probe_steps, ("stock",) + modes, each)
+            return dataclasses.replace(each[modes[0]], auto=plan)
         gas = gradient_accumulation_steps
         nominal = acco.phase_length(gas)
         dynamic = acco.dynamic_bounds(gas) if acco.accumulation == "dynamic" else None

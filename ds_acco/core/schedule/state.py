@@ -47,12 +47,15 @@ class ScheduleState:
             "delay": None if s.context.delay is None else s.context.delay.state(),  # D (delay compensation)
             "predictor": None if s.context.predictor is None else s.context.predictor.state(),  # ef's P
             "estimate_lr_scale": s.context.estimate_lr_scale if s.mode == "acco" else None,  # what θ̃ stepped with
+            "auto": None if s.auto is None else s.auto.state(),  # mode 'auto': its measurements and decision
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (same mode, world size and layout)."""
         s = self.schedule
         s.drain()
+        if s.auto is not None:  # mode 'auto': the saved decision's mode, before the mode is compared
+            s.auto.load(state.get("auto"))
         mismatch = [k for k, mine in (("version", self.STATE_VERSION), ("mode", s.mode), ("world", s.world),
                                       ("layout", [g.layout() for g in s.groups])) if state.get(k) != mine]
         if mismatch:

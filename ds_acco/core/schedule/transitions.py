@@ -2,7 +2,7 @@
 
 :meth:`.machine.AccoSchedule.end_phase` interprets a row: collect the round in flight (wait for it and
 swap its weights into the live ones), advance the step, launch the next round (pack G into B), pick
-the next phase. A new mode is new rows. Swaps are in ACCO.md's notation (G: the gradient buffer,
+the next phase. A new mode is new rows. Mode 'auto' runs its candidates' rows (its stock: SYNC). Swaps are in ACCO.md's notation (G: the gradient buffer,
 B: the communication buffer).
 """
 from __future__ import annotations
@@ -42,6 +42,9 @@ class Transition:
 
 E, C = RoundKind.ESTIMATE, RoundKind.COMMIT
 P = PhaseKind
+# a step of the synchronous warm-up: B ← G; G ← 0; round C_t waited for at once; model ← θ_{t+1}.
+TRANSITIONS_SYNC = Transition(collect=True, advance_step=True, launch=C, clear_grads=True, next_phase=None,
+                              data_step=0, sync=True)
 
 TRANSITIONS: Dict[Tuple[str, PhaseKind], Transition] = {
     # mode 'acco'
@@ -54,9 +57,7 @@ TRANSITIONS: Dict[Tuple[str, PhaseKind], Transition] = {
     # phase C_t ends: model ← θ_{t+1}; t ← t + 1; B ← G (Σg̃_{t+1}, kept in G); round E_{t+1}.
     ("acco", P.COMMIT): Transition(collect=True, advance_step=True, launch=E, clear_grads=False,
                                    next_phase=P.ESTIMATE, data_step=1),
-    # a step of the synchronous warm-up: B ← G; G ← 0; round C_t waited for at once; model ← θ_{t+1}.
-    ("acco", P.SYNC): Transition(collect=True, advance_step=True, launch=C, clear_grads=True, next_phase=None,
-                                 data_step=0, sync=True),
+    ("acco", P.SYNC): TRANSITIONS_SYNC,
     # mode 'dpu': commit rounds only.
     # bootstrap: B ← G; G ← 0; round 0.
     ("dpu", P.BOOTSTRAP): Transition(collect=False, advance_step=False, launch=C, clear_grads=True,
@@ -68,6 +69,9 @@ TRANSITIONS: Dict[Tuple[str, PhaseKind], Transition] = {
     # bootstrap: B ← G; G ← 0; round 0.
     ("one_round", P.BOOTSTRAP): Transition(collect=False, advance_step=False, launch=C, clear_grads=True,
                                            next_phase=P.COMMIT, data_step=None),
+    # a step of the synchronous warm-up: acco's row (the round writes θ_{t+1}, no prediction); the bootstrap
+    # after it starts the predictor at θ_K.
+    ("one_round", P.SYNC): TRANSITIONS_SYNC,
     # phase k ends: model ← P_{k+1}; k ← k + 1; B ← G; G ← 0; round k.
     ("one_round", P.COMMIT): Transition(collect=True, advance_step=True, launch=C, clear_grads=True,
                                         next_phase=P.COMMIT, data_step=1),
