@@ -13,8 +13,8 @@ import math
 import os
 from typing import Dict, List, Sequence
 
-ORDER = ("stock", "stock_overlap", "fixed", "shared", "dynamic", "dynamic_sqrt", "dynamic_linear", "dpu", "one_round", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
-LABELS = {"stock": "stock ZeRO-1", "stock_overlap": "stock ZeRO-1, overlap_comm", "fixed": "ACCO fixed", "shared": "ACCO shared", "dynamic": "ACCO dynamic", "dpu": "DPU", "one_round": "one-round (ef)",
+ORDER = ("stock", "stock_overlap", "fixed", "shared", "dynamic", "dynamic_sqrt", "dynamic_linear", "dpu", "one_round", "auto", "auto_all", "fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
+LABELS = {"stock": "stock ZeRO-1", "stock_overlap": "stock ZeRO-1, overlap_comm", "fixed": "ACCO fixed", "shared": "ACCO shared", "dynamic": "ACCO dynamic", "dpu": "DPU", "one_round": "one-round (ef)", "auto": "auto (stock / fixed)", "auto_all": "auto (stock / fixed / one-round)",
           "dynamic_sqrt": "ACCO dynamic, LR × √(batch ratio)", "dynamic_linear": "ACCO dynamic, LR × batch ratio",
           "fsdp_stock": "stock FSDP2", "fsdp_fixed": "FSDP2 ACCO fixed", "fsdp_dynamic": "FSDP2 ACCO dynamic",
           "fsdp_dpu": "FSDP2 DPU", "fsdp_stock_sharded": "stock FSDP2, resharded",

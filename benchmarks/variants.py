@@ -14,6 +14,8 @@ LR_RULES = ("sqrt", "linear")  # dynamic_<rule>: acco.dynamic.lr_scaling = <rule
 DS_VARIANTS = ("stock", "fixed", "dynamic", "dpu", "shared")
 # the one-round mode (opt-in, it trains worse: docs/estimate.md), its default predictor: named only
 ONE_ROUND_VARIANTS = ("one_round",)
+# mode auto (stock or fixed by the measured r after 3 stock steps; auto_all: the one-round mode a candidate too)
+AUTO_VARIANTS = ("auto", "auto_all")
 FSDP_VARIANTS = ("fsdp_stock", "fsdp_fixed", "fsdp_dynamic", "fsdp_dpu")
 # FSDP2 with parameters resharded after forward and backward (FSDP's memory-saving configuration):
 # stock with no-sync accumulation, and ACCO with AccoFSDP(sharded_params=True); named explicitly
@@ -26,17 +28,18 @@ PAPER_VARIANTS = ("fixed_paper",)
 # emulated run can and cannot show of it).
 STOCK_OVERLAP = "stock_overlap"
 VARIANTS = (DS_VARIANTS + FSDP_VARIANTS + LR_VARIANTS + FSDP_SHARDED_VARIANTS + PAPER_VARIANTS + (STOCK_OVERLAP,)
-            + ONE_ROUND_VARIANTS)
+            + ONE_ROUND_VARIANTS + AUTO_VARIANTS)
 
 
 def mode_of(variant: str) -> str:
-    """The schedule a variant runs ('stock', 'fixed', 'dynamic', 'dpu' or 'one_round'), whatever the framework
+    """The schedule a variant runs ('stock', 'fixed', 'dynamic', 'dpu', 'one_round' or 'auto'), whatever the framework
     and learning-rate rule."""
     if variant == STOCK_OVERLAP:  # stock's schedule: one reduce per step, in the boundary micro-batch
         return "stock"
     mode = variant[len("fsdp_"):] if variant.startswith("fsdp_") else variant
     mode = mode[:-len("_sharded")] if mode.endswith("_sharded") else mode
     mode = mode[:-len("_paper")] if mode.endswith("_paper") else mode
+    mode = "auto" if mode in AUTO_VARIANTS else mode
     return "dynamic" if lr_rule_of(variant) else mode
 
 
@@ -89,6 +92,7 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
     rule = lr_rule_of(variant)
     overlap = variant == STOCK_OVERLAP
     paper = variant in PAPER_VARIANTS
+    every_mode = variant == "auto_all"
     variant = mode_of(variant)
     cfg = copy.deepcopy(base)
     # The base config's estimate variant (docs/estimate.md) applies to every variant with an estimate
@@ -107,6 +111,10 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
         cfg["acco"] = {"enabled": True, "mode": "acco", "accumulation": "fixed"}
     elif variant == "dpu":
         cfg["acco"] = {"enabled": True, "mode": "dpu", "accumulation": "fixed"}
+    elif variant == "auto":
+        cfg["acco"] = {"enabled": True, "mode": "auto", "accumulation": "fixed"}
+        if every_mode:
+            cfg["acco"]["auto_modes"] = ["stock", "acco", "one_round"]
     elif variant == "one_round":
         cfg["acco"] = {"enabled": True, "mode": "one_round", "accumulation": "fixed"}
     elif variant == "shared":  # stock's batch per step, shared among the ranks by measured speed
@@ -120,7 +128,7 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
             cfg["acco"]["dynamic"]["lr_scaling"] = rule
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
-    if estimate is not None and cfg["acco"]["mode"] == "acco":
+    if estimate is not None and cfg["acco"]["mode"] in ("acco", "auto"):
         cfg["acco"]["estimate"] = estimate
     return cfg
 
