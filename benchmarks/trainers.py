@@ -3,7 +3,7 @@ and AccoFSDP: what each A/B variant trains with."""
 from __future__ import annotations
 
 import contextlib
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,11 @@ class DeepSpeedTrainer(_Delegating):
 
     def metrics_history(self) -> List[dict]:
         return list(self.inner.acco_metrics_history) if self.acco else []
+
+    def auto_decision(self) -> Optional[dict]:
+        """Mode auto: its decision (inputs, choice, reason), once taken; else None."""
+        chooser = getattr(getattr(self.inner.optimizer, "schedule", None), "auto", None)
+        return dict(chooser.decision) if chooser is not None and chooser.decision is not None else None
 
     def close(self):
         self.inner.destroy()

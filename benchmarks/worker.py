@@ -144,6 +144,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
     metrics = engine.metrics_history()
     peak = peak_rss()
     fsdp = engine.fsdp
+    auto = engine.auto_decision() if hasattr(engine, "auto_decision") else None  # mode auto: its choice, why
     engine.close()
     del engine, model
     gc.collect()
@@ -153,7 +154,7 @@ def run_variant(variant: str, spec: dict, base_cfg: dict, train_rows, heldout_ro
             "heldout": heldout, "acco_metrics": [_plain(m) for m in metrics], "wall_s": wall,
             "peak_rss_delta": None if peak is None or baseline_rss is None else peak - baseline_rss,
             "peak_rss_train_delta": None if train_peak is None or baseline_rss is None else train_peak - baseline_rss,
-            "baseline_rss": baseline_rss, "slow_factor": slow}
+            "baseline_rss": baseline_rss, "slow_factor": slow, "auto": auto}
 
 
 def _plain(record: Dict) -> Dict:
