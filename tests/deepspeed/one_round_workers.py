@@ -16,7 +16,7 @@ def _engine(case):
     opt = make_optimizer(case["optimizer"])(model)
     sched = make_scheduler(case.get("schedule"))
     engine, _, _, _ = ds_acco.initialize(model=model, optimizer=opt, lr_scheduler=sched(opt) if sched else None,
-                                         config=ds_config(case["gas"], case["acco"]))
+                                         config=ds_config(case["gas"], case["acco"], clip=case.get("clip", 0.0)))
     return engine
 
 
@@ -27,6 +27,9 @@ def train(case):
     probes, refused = {}, None
     for i in range(case["gas"] * case["steps"]):
         x, y = batch(rank, i)
+        if [rank, i] in [list(p) for p in case.get("nan_at", ())]:
+            x = x.clone()
+            x[0, 0] = float("nan")  # a non-finite gradient on one rank: the step's commit is skipped
         engine.backward(engine(x, y))
         engine.step()
         if i == case["gas"] + 1:
@@ -51,6 +54,7 @@ def train(case):
     shard_bytes = sum(v.numel() * v.element_size() for g in schedule.groups for v in g.shard_values())
     engine.destroy()
     return {"final": final, "masters": masters, "global_steps": steps, "probes": probes, "export_refused": refused,
+            "skipped_steps": engine.skipped_steps,
             "after_destroy": snapshot(engine.module), "predictor_bytes": predictor.extra_bytes,
             "shard_bytes": shard_bytes}
 

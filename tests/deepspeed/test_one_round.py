@@ -26,7 +26,7 @@ DEFAULT = {"name": "ef", "coef": 0.5}  # the library's default, written here on 
 def _pred(case):
     p = case["predictor"] if case["predictor"] is not None else DEFAULT
     p = {"name": p} if isinstance(p, str) else p
-    return p["name"], p.get("coef", 1.0)
+    return p["name"], p.get("coef", 0.5 if p["name"] == "ef" else 1.0)  # docs/configuration.md's defaults
 
 
 def predict(kind, coef, theta, prev, point, opt, model, lr):
@@ -49,19 +49,24 @@ def predict(kind, coef, theta, prev, point, opt, model, lr):
     return out
 
 
-def one_round_reference(case, steps=STEPS, twice=False, dropped=False):
+def one_round_reference(case, steps=STEPS, twice=False, dropped=False, fresh=False, world=WORLD, skip=(),
+                        clip=0.0):
     """θ_T: step t's whole batch at P_t (P_0 = P_1 = θ_0); commit θ_{t+1} = Opt(θ_t, S_t, ḡ(P_t)); the
     round of step t predicts P_{t+2} from θ_{t+1}, θ_t, P_{t+1}, S_{t+1} (nag's η: that round's rate).
-    ``dropped``: P_{t+2} = θ_{t+1} (DPU); ``twice``: the prediction's offset from θ applied twice."""
+    ``dropped``: P_{t+2} = θ_{t+1} (DPU); ``twice``: the prediction's offset from θ applied twice;
+    ``fresh``: step t computed at P_{t+1}, predicted from θ_t (one step fresher than the overlap allows).
+    ``skip``: steps whose commit is skipped (non-finite gradient: θ, S and the rate stay, P is still
+    predicted); ``clip``: DeepSpeed's gradient clipping of the mean."""
     kind, coef = _pred(case)
-    tr = _Trainer(TinyNet(seed=0), make_optimizer(case["optimizer"]), make_scheduler(case["schedule"]), 0.0)
+    tr = _Trainer(TinyNet(seed=0), make_optimizer(case["optimizer"]), make_scheduler(case["schedule"]), clip)
     points = [tr.params(), tr.params()]
     for t in range(steps):
         theta_t = tr.params()
-        grads = _global_mean_grad(tr.model, points[t], [batch(r, GAS * t + i) for r in range(WORLD)
-                                                        for i in range(GAS)])
+        grads = _global_mean_grad(tr.model, points[t + 1 if fresh else t],
+                                  [batch(r, GAS * t + i) for r in range(world) for i in range(GAS)])
         lr = [g["lr"] for g in tr.opt.param_groups]  # the rate of this commit
-        tr.commit(grads)
+        if t not in skip:
+            tr.commit(grads)
         theta = tr.params()
         nxt = predict(kind, coef, theta, theta_t, points[t + 1], tr.opt, tr.model, lr)
         if dropped:
@@ -87,17 +92,18 @@ def runs():
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
 def test_matches_reference(runs, index):
-    """Catches: the prediction dropped (the model at θ: DPU), applied twice, the wrong η / state, a
+    """Catches: the prediction dropped (the model at θ: DPU), applied twice, one step too fresh (step t
+    at P_{t+1}: what a schedule that waited for the round would compute), the wrong η / state, a
     P_0 / P_1 other than θ_0."""
     case = CASES[index]
     r0, r1 = runs[0][index], runs[1][index]
     want = one_round_reference(case)
     dpu = one_round_reference(case, dropped=True)
     twice = one_round_reference(case, twice=True)
+    fresh = one_round_reference(case, fresh=True)
     err = rel_distance(r0["final"], want)
-    far = min(rel_distance({n: v.float() for n, v in want.items()}, dpu),
-              rel_distance({n: v.float() for n, v in want.items()}, twice))
-    print(f"{case['name']}: relative error {err:.2e}; own reference to dropped / twice: {far:.2e}")
+    far = min(rel_distance({n: v.float() for n, v in want.items()}, wrong) for wrong in (dpu, twice, fresh))
+    print(f"{case['name']}: relative error {err:.2e}; own reference to dropped / twice / fresh: {far:.2e}")
     assert far > 1e-3, "the mutations barely move θ_T: the test could not tell them apart"
     assert err < 1e-5
     for n in r0["final"]:

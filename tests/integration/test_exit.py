@@ -16,7 +16,8 @@ round in flight aborts, exit -6); no ``at_exit.rearm_sigint_exit`` (FSDP2 + Ctrl
 garbage-collected dynamic-mode engine abandoned instead of drained at exit (``collected``: rank 0
 aborts, ``terminate called without an active exception``, in 5 of 6 runs); the rounds' group destroyed
 without its last references dropped (``at_exit.end_groups``: its gloo worker threads outlive the exit
-hook, 3 more threads at exit than stock in every ACCO case).
+hook, 3 more threads at exit than stock in every ACCO case); mode one_round's close holding θ without
+``final`` (its exit refuses the gather of θ as an export: "could not be finished" on every rank).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ WORLD = 2
 # ACCO_EXIT_REPEATS=50 pytest tests/integration/test_exit.py (about 20 minutes on 2 idle cores).
 REPEATS = int(os.environ.get("ACCO_EXIT_REPEATS", "2"))
 FIXED = {"enabled": True}
+ONE_ROUND = {"enabled": True, "mode": "one_round"}
 DYNAMIC = {"enabled": True, "accumulation": "dynamic",
            "dynamic": {"min_micro_batches": 1, "max_micro_batches": 4, "check_every": 1}}
 # What stock gives (stock DeepSpeed ZeRO-1, plain FSDP2): a return, an exception, a
@@ -62,6 +64,8 @@ def _cases():
             for ending in ("return", "raise", "sigint", "never", "collected"):
                 cases.append((adapter, mode, ending))
         cases.append((adapter, "fixed", "sigterm"))
+    # mode one_round (DeepSpeed only): its close gathers θ into the model, one more collective at exit
+    cases += [("deepspeed", "one_round", ending) for ending in ("return", "raise", "sigint", "never", "collected")]
     return cases
 
 
@@ -77,7 +81,7 @@ def _run(tmp_path_factory, cases, repeats):
         for rep in range(repeats):
             for adapter, mode, ending in cases:
                 env = stack.enter_context(rendezvous_store(WORLD))
-                acco = {"stock": None, "fixed": FIXED, "dynamic": DYNAMIC}[mode]
+                acco = {"stock": None, "fixed": FIXED, "dynamic": DYNAMIC, "one_round": ONE_ROUND}[mode]
                 spec.append({"adapter": adapter, "acco": acco, "ending": ending, "port": int(env["MASTER_PORT"]),
                              "deadline_s": scaled(60)})
                 keys.append((adapter, mode, ending, rep))
@@ -147,7 +151,8 @@ def test_exits_like_stock(exits, adapter, mode, ending):
 
 # An exit race shows in some repetitions only: the endings that leave a round in flight, again
 # (both adapters, both modes; FSDP2's endings besides Ctrl-C go through the same hook as DeepSpeed's).
-RACY = [c for c in CASES if c[1] != "stock" and (c[2] in ("sigint", "collected") or (c[1], c[2]) == ("fixed", "return")
+RACY = [c for c in CASES if c[1] != "stock" and (c[2] in ("sigint", "collected") or c[1:] in (("fixed", "return"),
+                                                                                                  ("one_round", "return"))
                                                  or (c[0], c[1], c[2]) == ("deepspeed", "dynamic", "return"))]
 if REPEATS > 3:  # the stress: every ending that trains, in both modes, for both adapters
     RACY = [c for c in CASES if c[1] != "stock" and c[2] in ("return", "raise", "sigint", "collected")]
