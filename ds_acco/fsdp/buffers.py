@@ -223,8 +223,9 @@ class FSDPShardedBuffers(FSDPBuffers):
     def gather_view(self) -> torch.Tensor:
         raise RuntimeError("FSDPShardedBuffers: rounds gather no parameters (B carries gradients only)")
 
-    def export_state(self, swapped: bool) -> dict:
-        """G, E (this rank's shard) and which of the two FSDP gathers: no collective."""
+    def export_state(self, swapped: bool, gathered_shard: Optional[list] = None) -> dict:
+        """G, E (this rank's shard) and which of the two FSDP gathers: no collective. ``gathered_shard``
+        (mode one_round's set-aside segment) is always None here: that mode is refused under FSDP."""
         return {"grads": self.grads.detach().to("cpu", copy=True),
                 "estimate_shard": self.estimate.detach().to("cpu", copy=True),
                 "on_estimate": self.on_estimate != swapped, "packed": None if self._packed is None else self._packed.value}
