@@ -285,10 +285,9 @@ class AccoSchedule:
         self.clock.skip_phase()
 
     def gather_on_lane(self, flat) -> None:
-        """All-gather every rank's segment of a rank-major flat tensor in place, on the lane (the
-        rounds' group; the lane idle: drained). A collective: every rank calls it at once."""
-        ctx = self.context
-        self.lane.wait(self.lane.submit("all-gather", lambda: collectives.gather_in_place(
+        """All-gather each rank's segment of a rank-major flat tensor in place, on the idle lane: a collective."""
+        ctx, why = self.context, "all-gather (every rank at once: a load, or one_round's committed_weights() block)"
+        self.lane.wait(self.lane.submit(why, lambda: collectives.gather_in_place(
             flat, ctx.rank, ctx.world, ctx.process_group, ctx.chunk_elems)))
 
     def opening_phase(self, committed_steps: int) -> PhaseKind:
