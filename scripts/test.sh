@@ -19,4 +19,30 @@ python -m pip install -q -e '.[test,mpi]'
 wait "$prebuild"
 export ACCO_TEST_OPS_BUILT=1
 # Test time limits: ACCO_TEST_TIMEOUT_SCALE (tests/timeouts.py; default 3x an idle machine's budget).
-exec python -m pytest -q --durations=25 "$@"  # the slowest tests, in every CI log
+if [[ $# -gt 0 ]]; then
+  exec python -m pytest -q --durations=25 "$@"  # the slowest tests, in every CI log
+fi
+# The whole suite: the slow tier (whole jobs under launchers, fresh interpreters: much of it waits on
+# start-ups, sleeps and peers, about one core of two busy on average) runs beside the quick tier, two
+# pytest sessions at once; the slow tier's output follows the quick tier's. They share nothing but
+# the machine: their ranks bind their own ports, each session's /dev/shm sweep leaves the other's
+# live buffers alone (tests/shm_sweep.py).
+slow_log=$(mktemp "${TMPDIR:-/tmp}/ds_acco-slow-tier.XXXXXX")
+set -m  # its own process group: a background job would otherwise ignore SIGINT (see the trap below)
+python -m pytest -q --durations=25 -m slow </dev/null >"$slow_log" 2>&1 &
+slow=$!
+set +m
+# Interrupted (Ctrl-C, CI's cancel): stop the slow tier as Ctrl-C would, so its tests end their jobs.
+trap '[[ -n "$slow" ]] && kill -INT "$slow" 2>/dev/null && wait "$slow"; rm -f "$slow_log"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+quick_rc=0
+python -m pytest -q --durations=25 -m "not slow" || quick_rc=$?
+slow_rc=0
+wait "$slow" || slow_rc=$?
+slow=
+echo "==================== the slow tier (-m slow), run beside the quick tier ===================="
+cat "$slow_log"
+echo "quick tier: exit $quick_rc; slow tier: exit $slow_rc"
+(( quick_rc == 0 )) || exit "$quick_rc"
+exit "$slow_rc"
