@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Run the test suite from a fresh clone: creates .venv if missing, installs torch first (an
-# unpinned torch would pull a multi-GB CUDA build), then this package with its test extras.
+# Run the test suite from a fresh clone: creates .venv if missing, installs this package with torch
+# pinned (an unpinned torch would pull a multi-GB CUDA build), then its test extras; with no
+# arguments it runs the whole suite (its two tiers at once), otherwise pytest with the arguments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.13.0
-python -m pip install -q -e .  # deepspeed and the package's own requirements: what the op build needs
+# torch pinned in the same resolution as deepspeed and the package's own requirements (what the op
+# build needs): one pip run, not one for torch and another that resolves it again.
+python -m pip install -q torch==2.13.0 -e .
 export DS_ACCELERATOR=cpu
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 # Build DeepSpeed's CPU ops once, before pytest and outside every test's time limit, after
@@ -19,7 +21,7 @@ python -m pip install -q -e '.[test,mpi]'
 wait "$prebuild"
 export ACCO_TEST_OPS_BUILT=1
 # Test time limits: ACCO_TEST_TIMEOUT_SCALE (tests/timeouts.py; default 3x an idle machine's budget).
-if [[ $# -gt 0 ]]; then
+if [[ $# -gt 0 || "${ACCO_TEST_SERIAL:-0}" == 1 ]]; then  # ACCO_TEST_SERIAL=1: one session, as before
   exec python -m pytest -q --durations=25 "$@"  # the slowest tests, in every CI log
 fi
 # The whole suite: the slow tier (whole jobs under launchers, fresh interpreters: much of it waits on
