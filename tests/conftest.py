@@ -2,8 +2,8 @@
 
 DeepSpeed's CPU shared-memory comm op creates a ~66 MB file per rank in /dev/shm for every
 (master address, port) it initialises with, and never removes it. A suite that starts dozens
-of rank pairs would fill /dev/shm (RAM) with them; every test module cleans up the ones this
-session created once its ranks are gone.
+of rank pairs would fill /dev/shm (RAM) with them; after every test module, those created since
+this session started that no live process uses are removed (tests/shm_sweep.py).
 
 At session start all ranks and launchers are pointed at one TORCH_EXTENSIONS_DIR; after
 collection, before any test and outside every test's time limit, build locks left by killed
@@ -11,7 +11,6 @@ compiles are removed and DeepSpeed's CPU ops are built (tests/prebuild.py), unle
 ``ACCO_TEST_OPS_BUILT=1`` (scripts/test.sh sets it after building them itself) or no collected
 module needs them.
 """
-import glob
 import os
 
 # setuptools first: torch.utils.cpp_extension (imported by DeepSpeed's JIT op loader, e.g. inside
@@ -25,37 +24,9 @@ import time
 import pytest
 
 import prebuild
+import shm_sweep
 
-_SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 _SESSION_START = time.time() - 1
-
-
-def _mapped_shm_buffers() -> set:
-    """The DeepSpeed shm buffers some live process has mapped (from every readable /proc/PID/maps)."""
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.split(None, 5)[-1].strip() for line in f if "deepspeed_allreduce_buffer_" in line)
-        except OSError:  # the process ended, or belongs to another user (whose files are not ours to remove)
-            pass
-    return mapped
-
-
-def sweep_deepspeed_shm(since: float = _SESSION_START) -> int:
-    """Remove DeepSpeed shm buffers created since ``since`` that no live process maps (a DeepSpeed
-    job running beside the suite keeps its own: removing one it is still opening hangs its peer
-    rank at start-up); returns how many."""
-    removed = 0
-    in_use = _mapped_shm_buffers()
-    for path in glob.glob(_SHM_PATTERN):
-        try:
-            if os.stat(path).st_mtime >= since and path not in in_use:
-                os.unlink(path)
-                removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 def pytest_sessionstart(session):
@@ -92,4 +63,4 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="module", autouse=True)
 def _clean_deepspeed_shm():
     yield
-    sweep_deepspeed_shm()
+    shm_sweep.sweep(_SESSION_START)

@@ -7,7 +7,8 @@ Lightning fills it from ``accumulate_grad_batches=4``) must build an ACCO engine
 held-out loss falls); every validation must evaluate the committed weights θ -- also when the module
 keeps its layers in training mode, so that Lightning never calls ``engine.eval()``
 (tests/launch/lightning_no_eval.py); ``"synchronous": true`` (every round inline) must train the same, bit for bit (checked together with
-the train-mode validation, in one launch), and a Lightning checkpoint saved after 2 epochs and
+the train-mode validation, in one launch), and a Lightning checkpoint saved after 2 epochs (by the
+uninterrupted run itself, as ``ModelCheckpoint`` saves: tests/launch/lightning_save_after.py) and
 resumed for a third must end on exactly the weights of 3 uninterrupted epochs. The same command without
 ``-m ds_acco run`` must be refused by the guard on every rank.
 
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.slow,  # whole jobs under torchrun
 TIMEOUT_S = scaled(120)  # per launch; see tests/timeouts.py
 README_COMMAND = "torchrun --nproc_per_node 2 -m ds_acco run examples/lightning_train.py"
 RESULT_TAG = "LIGHTNING_RESULT"
+SAVED_TAG = "LIGHTNING_SAVED"  # tests/launch/lightning_save_after.py
 BANNER = "ACCO is on (DeepSpeed ZeRO-1): mode=acco, 2 micro-batches per phase (gradient_accumulation_steps=4)"
 REFUSAL = 'this DeepSpeed config has "acco": {"enabled": true}, but the engine being built is a stock DeepSpeedEngine'
 
@@ -46,7 +48,8 @@ def lightning_env(tmp_path) -> dict:
     boot = tmp_path / "boot"  # installed_guard_env's sitecustomize: add the CPU patches on the ranks
     with open(boot / "sitecustomize.py", "a") as f:
         f.write(f"import os, sys\nif os.environ.get('LOCAL_RANK') is not None:\n"
-                f"    sys.path.insert(0, {str(REPO / 'tests' / 'launch')!r})\n    import lightning_cpu\n")
+                f"    sys.path.insert(0, {str(REPO / 'tests' / 'launch')!r})\n    import lightning_cpu\n"
+                f"    if os.environ.get('ACCO_TEST_LIGHTNING_SAVE_AFTER'):\n        import lightning_save_after\n")
     return env
 
 
@@ -61,14 +64,20 @@ def torchrun(argv: list, env: dict) -> tuple:
     return cmd, out, proc.returncode
 
 
+def tagged(out: str, tag: str) -> list:
+    return [json.loads(line.split(tag + " ", 1)[1]) for line in out.splitlines() if tag + " " in line]
+
+
 def run(env: dict, script: str, out_dir, *args) -> dict:
-    """One routed job; rank 0's result, with its final (committed) weights under "final"."""
+    """One routed job; rank 0's result, with its final (committed) weights under "final" (and under
+    "saved", what tests/launch/lightning_save_after.py printed, if the environment asked it to save)."""
     cmd, out, rc = torchrun(["-m", "ds_acco", "run", script, "--out", str(out_dir), *args], env)
     assert rc == 0, f"{cmd} exited with {rc}\n{tail(out)}"
     assert out.count(BANNER) == 1, f"expected rank 0's ACCO banner once\n{tail(out)}"
-    found = [json.loads(line.split(RESULT_TAG + " ", 1)[1]) for line in out.splitlines() if RESULT_TAG + " " in line]
+    found = tagged(out, RESULT_TAG)
     assert len(found) == 1, tail(out)
     result = found[0]
+    result["saved"] = tagged(out, SAVED_TAG)
     assert (result["engine"], result["optimizer"], result["world_size"]) == ("AccoEngine", "AccoZeroOptimizer", 2)
     result["final"] = torch.load(out_dir / "final.pt")
     return result
@@ -84,8 +93,12 @@ def test_readme_lightning_command_trains_acco_validates_theta_resumes_and_reprod
     env = lightning_env(tmp_path)
     script = README_COMMAND.split(" run ", 1)[1]
 
-    full = run(env, script, tmp_path / "full", "--epochs", "3")
+    # The uninterrupted run also saves a Lightning checkpoint after its 2nd epoch (as ModelCheckpoint
+    # would; tests/launch/lightning_save_after.py), resumed below for the third.
+    full = run({**env, "ACCO_TEST_LIGHTNING_SAVE_AFTER": f"2 {tmp_path / 'ckpt'}"}, script, tmp_path / "full",
+               "--epochs", "3")
     assert full["gradient_accumulation_steps"] == 4 and full["global_steps"] == 18, full  # 3 x 24 / 4
+    assert full["saved"] == [{"global_step": 12, "epoch": 1}], full["saved"]  # 2 x 24 / 4
     assert len(full["train_losses"]) == 72 and full["val_losses"][-1] < full["val_losses"][0] < \
         full["train_losses"][0], full  # it trained
     # Each validation evaluated θ: the last one (after the last commit) read exactly the exported weights.
@@ -103,12 +116,16 @@ def test_readme_lightning_command_trains_acco_validates_theta_resumes_and_reprod
     assert no_eval["val_checksums"] == full["val_checksums"], (no_eval["val_checksums"], full["val_checksums"])
     assert no_eval["train_losses"] == full["train_losses"] and same_weights(no_eval["final"], full["final"])
 
-    # A Lightning checkpoint after 2 epochs, resumed for the third: the weights of 3 uninterrupted epochs.
-    first = run(env, script, tmp_path / "first", "--epochs", "2", "--save", str(tmp_path / "ckpt"))
-    assert first["val_checksums"] == full["val_checksums"][:2] and first["global_steps"] == 12, first
-    resumed = run(env, script, tmp_path / "resumed", "--epochs", "3", "--resume", str(tmp_path / "ckpt"))
+    # The run's Lightning checkpoint after 2 epochs, resumed for the third: the weights of 3 uninterrupted
+    # epochs (saving it changed nothing in the run: the run without a save above trained the same).
+    assert no_eval["saved"] == [], no_eval["saved"]
+    # It also saves after fit() returns (the example's --save), which must leave the weights as they are.
+    resumed = run(env, script, tmp_path / "resumed", "--epochs", "3", "--resume", str(tmp_path / "ckpt"),
+                  "--save", str(tmp_path / "end"))
     assert resumed["global_steps"] == 18 and resumed["train_losses"] == full["train_losses"][48:], resumed
+    assert resumed["val_checksums"] == full["val_checksums"][2:], (resumed["val_checksums"], full["val_checksums"])
     assert same_weights(resumed["final"], full["final"])
+    assert (tmp_path / "end" / "latest").is_file(), sorted(p.name for p in (tmp_path / "end").iterdir())
 
 
 

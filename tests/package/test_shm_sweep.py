@@ -1,24 +1,36 @@
-"""The suite's /dev/shm hygiene removes DeepSpeed buffers it left behind, never one a live DeepSpeed
-job still maps (removing that one hung a concurrent job's rank at start-up)."""
+"""The suite's /dev/shm hygiene (tests/shm_sweep.py) removes DeepSpeed buffers it left behind, never one a
+live DeepSpeed job still uses: mapped (removing that one hung a concurrent job's rank at start-up), or
+open but not yet mapped, as a buffer is while DeepSpeed's ``shared_create`` writes it (removing that one
+hung the peer of a job that a second suite running beside this one started)."""
+import ctypes
 import mmap
 import os
 import time
 
-from conftest import sweep_deepspeed_shm
+from shm_sweep import sweep
 
 
-def test_mapped_buffers_are_kept_unmapped_ones_removed():
+def test_used_buffers_are_kept_unused_ones_removed():
     since = time.time() - 1
-    paths = [f"/dev/shm/deepspeed_allreduce_buffer_acco_sweep_test_{os.getpid()}_{k}" for k in range(2)]
+    paths = [f"/dev/shm/deepspeed_allreduce_buffer_acco_sweep_test_{os.getpid()}_{k}" for k in range(3)]
     for p in paths:
         with open(p, "wb") as f:
             f.write(b"\0" * 4096)
-    with open(paths[0], "r+b") as f:
-        held = mmap.mmap(f.fileno(), 4096)  # as DeepSpeed's shm op maps its buffer
+    # Mapped, its descriptor closed (libc's mmap: Python's mmap.mmap keeps a duplicate of the descriptor).
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(paths[0], os.O_RDWR)
+    held = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    os.close(fd)
+    assert held not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    writing = open(paths[2], "ab")  # as shared_create holds it, from its O_CREAT open, while it writes
     try:
-        sweep_deepspeed_shm(since)
-        assert os.path.exists(paths[0]) and not os.path.exists(paths[1])
+        sweep(since)
+        assert os.path.exists(paths[0]) and not os.path.exists(paths[1]) and os.path.exists(paths[2])
     finally:
-        held.close()
-    sweep_deepspeed_shm(since)
-    assert not os.path.exists(paths[0])
+        libc.munmap(held, 4096)
+        writing.close()
+    sweep(since)
+    assert not os.path.exists(paths[0]) and not os.path.exists(paths[2])
