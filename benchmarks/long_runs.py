@@ -5,7 +5,7 @@ seeds (one group per seed and setting, the three variants stacked in it).
 
     python -m benchmarks.long_runs size OUT.json --seed 0 --lr-mult 1     # ~5M parameters, stdlib-source
     python -m benchmarks.long_runs horizon OUT.json --seed 0 [--steps 5000]
-    python -m benchmarks.long_runs --report OUT.json [OUT2.json ...] [--plot PNG]
+    python -m benchmarks.long_runs report OUT.json [OUT2.json ...] [--plot PNG]
 
 *size*: n_embd 256, 6 layers, 8 heads (4.8M parameters with the byte vocabulary), the Python standard
 library's own source as the text (``benchmarks.data``'s ``stdlib-source``, ~12 MB, so the model does
@@ -111,23 +111,20 @@ def plot(results, path: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", nargs="?", choices=("size", "horizon"))
+    ap.add_argument("kind", choices=("size", "horizon", "report"), help="report: the table of existing results files")
     ap.add_argument("out", nargs="+")
-    ap.add_argument("--report", action="store_true", help="the table of existing results files")
-    ap.add_argument("--plot", help="with --report: the gap along the run, as a PNG")
+    ap.add_argument("--plot", help="with report: the gap along the run, as a PNG")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr-mult", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=0, help="0: 300 (size) / 5000 (horizon)")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
-    if a.report:
+    if a.kind == "report":
         results = [json.load(open(p)) for p in a.out]
         print(report(results))
         if a.plot:
             plot(results, a.plot)
         return
-    if a.kind is None:
-        ap.error("size or horizon (or --report)")
     torch.set_num_threads(1)
     run(a.kind, a.out[0], a.seed, a.lr_mult, a.steps, a.device)
 
