@@ -170,7 +170,7 @@ def cmd_advise(a) -> int:
     probe = advisor.Probe.from_measured(raw["probe"], tokens_per_micro_batch=tok, cores=os.cpu_count(),
                                         ranks_per_machine=a.world if raw["network"] != "real" else 1)
     adv = advisor.advise(probe, a.gas, max_gas=a.max_gas, batch_fixed=not a.batch_flexible,
-                         one_round=not a.no_one_round)
+                         one_round=a.one_round)
     print(advisor.explain(adv, probe))
     with open(os.path.join(a.out, f"{spec.name()}.advice.json"), "w") as f:
         json.dump({"probe": probe.__dict__, "advice": adv.as_dict()}, f, indent=1)
@@ -296,10 +296,10 @@ def main(argv=None) -> int:
                     help="the global batch may grow: recommend a raised gradient_accumulation_steps or dynamic "
                          "accumulation where they win on tokens/s (by default they are only reported, since a "
                          "larger batch makes less progress per token)")
-    ad.add_argument("--no-one-round", action="store_true",
-                    help="never recommend the one-round mode (it trains measurably worse than stock in the "
-                         "fidelity simulator); by default it is recommended where fixed cannot hide its rounds "
-                         "and one round per step is predicted fastest")
+    ad.add_argument("--one-round", action="store_true",
+                    help="recommend the one-round mode where fixed cannot hide its rounds and one round per step "
+                         "is predicted fastest (off by default: it trains measurably worse than stock, "
+                         "docs/bench/ttt-one-round-auto-r1.5)")
     ad.add_argument("--label", default=None)
     ad.set_defaults(fn=cmd_advise)
     sub.add_parser("timeline", help="trace compute and communication lanes of stock ZeRO-1 and ACCO into a PNG "

@@ -78,7 +78,8 @@ def test_advise_names_dpu_without_recommending_it():
     p = probe(t=0.1, ar=0.3, ag=0.2, micro_batch_overlap_s=0.1, round_overlap_s=0.6)
     adv = advisor.advise(p, gas=4, one_round=False)
     assert adv.mode == "stock" and "DPU would be" in adv.reason and "stale" in adv.reason
-    assert advisor.advise(p, gas=4).mode == "one_round"  # DPU's step, recommended with its caveat
+    assert advisor.advise(p, gas=4).mode == "stock"  # the one-round mode only when asked: it trains worse
+    assert advisor.advise(p, gas=4, one_round=True).mode == "one_round"  # DPU's step, with its caveat
 
 
 def test_advise_keeps_the_batch_and_reports_a_raised_gas():

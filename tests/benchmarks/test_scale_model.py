@@ -104,12 +104,12 @@ def test_check_against_the_committed_emulated_records():
 
 def test_advisor_recommends_one_round_where_one_round_per_step_is_fastest():
     p = advisor.Probe(micro_batch_s=0.1, all_reduce_s=0.3, all_gather_s=0.2)  # one round 0.5 s
-    adv = advisor.advise(p, gas=8)  # stock 1.3 s, fixed 2 x 0.5 s, one-round max(0.8, 0.5) s
+    adv = advisor.advise(p, gas=8, one_round=True)  # stock 1.3 s, fixed 2 x 0.5 s, one-round max(0.8, 0.5) s
     assert adv.predictions["one_round"].step_s == pytest.approx(0.8) == adv.predictions["dpu"].step_s
     assert adv.mode == "one_round" and adv.gradient_accumulation_steps == 8
     assert "1.62x stock" in adv.reason and "+3.61%" in adv.reason
-    assert advisor.advise(p, gas=16).mode == "fixed"  # a round fits under each half: fixed, not one-round
-    assert advisor.advise(p, gas=8, one_round=False).mode == "stock"
+    assert advisor.advise(p, gas=16, one_round=True).mode == "fixed"  # a round fits under each half: fixed
+    assert advisor.advise(p, gas=8).mode == "stock"  # by default the one-round mode is left out (it trains worse)
     busy = advisor.Probe(micro_batch_s=0.1, all_reduce_s=0.3, all_gather_s=0.2, micro_batch_overlap_s=0.2,
                          round_overlap_s=0.8)
     assert advisor.predict(busy, 16)["one_round"].step_s == pytest.approx(0.8 + 12 * 0.1)  # W(A)
