@@ -182,7 +182,7 @@ def build_model():
 
 def trainer_run(case: dict) -> dict:
     """``case``: acco (dict or None), gas, steps, out_dir, save_steps (0: none), resume (checkpoint
-    dir or None), lr."""
+    dir or None), lr, optim (TrainingArguments.optim; default: the Trainer's)."""
     import ds_acco
     from transformers import Trainer, TrainingArguments, set_seed
 
@@ -212,7 +212,7 @@ def trainer_run(case: dict) -> dict:
         adam_beta2=0.99, max_grad_norm=0.0, lr_scheduler_type="linear", max_steps=case["steps"], logging_steps=1,
         save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps") or 1,
         save_only_model=False, eval_strategy="no", report_to=[], dataloader_num_workers=0, seed=0, data_seed=0,
-        disable_tqdm=True, use_cpu=True)
+        disable_tqdm=True, use_cpu=True, **({"optim": case["optim"]} if case.get("optim") else {}))
     trainer = Recording(model=build_model(), args=args, train_dataset=_Rows(rows))
     trainer.train(resume_from_checkpoint=case.get("resume"))
     engine = trainer.model_wrapped
@@ -222,7 +222,11 @@ def trainer_run(case: dict) -> dict:
            "lrs": [h.get("learning_rate") for h in trainer.state.log_history if "loss" in h],
            "global_step": trainer.state.global_step,
            # ACCO: each committed step's own norm (its round computed it), oldest first
-           "commit_grad_norms": [m["grad_norm"] for m in getattr(engine, "acco_metrics_history", [])]}
+           "commit_grad_norms": [m["grad_norm"] for m in getattr(engine, "acco_metrics_history", [])],
+           "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
+           # the estimate's lr_scale the schedule runs (the optimizer family's default unless the block sets it)
+           "estimate_lr_scale": getattr(getattr(getattr(engine.optimizer, "schedule", None), "context", None),
+                                        "estimate_lr_scale", None)}
     if hasattr(engine, "destroy"):
         engine.destroy()
     return out
