@@ -5,7 +5,8 @@ from ds_acco.config import AccoConfig
 
 def test_the_one_round_variant_runs_the_one_round_mode():
     spec = {"micro_batch": 2, "gas": 4, "model": {"n_embd": 64}}
-    cfg = variants.variant_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "one_round", spec)
+    base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "acco": {"estimate": "paper"}}
+    cfg = variants.variant_config(base, "one_round", spec)
     acco = AccoConfig.from_block(cfg["acco"])
     assert (acco.mode, acco.accumulation, variants.mode_of("one_round")) == ("one_round", "fixed", "one_round")
     assert "estimate" not in cfg["acco"]  # refused in that mode: the base config's estimate is not passed on
