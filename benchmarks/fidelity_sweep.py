@@ -7,6 +7,7 @@ it finished).
     python -m benchmarks.fidelity_sweep --table OUT.json      # the table of docs/bench/fidelity-sweep-h200
     python -m benchmarks.fidelity_sweep OUT.json --short --budget-s 7200   # the 300-step horizon (CPU)
     python -m benchmarks.fidelity_sweep OUT.json --one-round --lr-mults 2 --steps 200   # issue 42's predictors
+    python -m benchmarks.fidelity_sweep OUT.json --one-round --sizes small,large --lr-mults 0.5,1,2 --beta2s 0.95,0.99
     python -m benchmarks.fidelity_sweep --table OUT.json --variants la2,dpu,ext1,nag,ef
     python -m benchmarks.fidelity_sweep OUT.json --optimizers "sgd:0.1,0.2;lion:1e-4" --steps 150   # issue 43
 """
@@ -21,6 +22,7 @@ from . import multirun
 
 SMALL = dict(n_embd=128, n_layer=2, n_head=4)  # 0.43M parameters
 LARGE = dict(n_embd=272, n_layer=2, n_head=4)  # 1.86M: 4.3x
+SIZES = {"small": SMALL, "large": LARGE}
 VARIANTS = ["stock", "paper", "keep_v", "dc", "warm", "la1.25", "la1.5", "la2"]
 
 
@@ -28,12 +30,15 @@ SHORT_VARIANTS = ["stock", "paper", "la1.5", "la2"]  # the horizon where the ear
 ONE_ROUND_VARIANTS = ["stock", "la2", "dpu", "ext1", "nag", "ef"]  # issue 42: one round per step, against stock / fixed
 
 
-def one_round_groups(lr_mults=(1, 2), steps=300, seeds=3, variants=ONE_ROUND_VARIANTS):
-    """The small model at each LR multiplier: stock, the fixed default and the one-round predictors, one group
-    per seed (each saved as it ends; :func:`merge_seeds` pools them for the table)."""
-    return [(dict(SMALL, lr=1e-3 * lr, steps=steps, warmup=max(2, steps // 20), eval_every=max(5, steps // 20)),
-             {"size": "small", "lr_mult": lr, "steps": steps, "beta2": 0.95},
-             [(v, s) for v in variants]) for s in range(seeds) for lr in lr_mults]
+def one_round_groups(lr_mults=(1, 2), steps=300, seeds=3, variants=ONE_ROUND_VARIANTS, sizes=("small",),
+                     beta2s=(0.95,)):
+    """Each size x LR multiplier x β2: stock, the fixed default and the one-round predictors, one group per
+    seed (each saved as it ends; :func:`merge_seeds` pools them for the table); seeds outermost, so a run
+    stopped early has every setting at its first seeds."""
+    return [(dict(SIZES[size], lr=1e-3 * lr, steps=steps, warmup=max(2, steps // 20),
+                  eval_every=max(5, steps // 20), beta2=b2),
+             {"size": size, "lr_mult": lr, "steps": steps, "beta2": b2},
+             [(v, s) for v in variants]) for s in range(seeds) for size in sizes for b2 in beta2s for lr in lr_mults]
 
 
 def optimizer_groups(spec, steps=150, seeds=3, variants=("stock", "paper", "la2")):
@@ -154,6 +159,8 @@ def main():
     ap.add_argument("--short", action="store_true", help="the 300-step groups only (stock, paper, la1.5, la2)")
     ap.add_argument("--one-round", action="store_true", help="issue 42: the small model, one-round predictors")
     ap.add_argument("--lr-mults", default="1,2", help="with --one-round")
+    ap.add_argument("--sizes", default="small", help="with --one-round: small, large or both (comma-separated)")
+    ap.add_argument("--beta2s", default="0.95", help="with --one-round: AdamW's β2 values (comma-separated)")
     ap.add_argument("--optimizers", default=None, help='issue 43: "sgd:0.1,0.3;adafactor:1e-3" (optimizer: peak LRs)')
     ap.add_argument("--steps", type=int, default=300, help="with --one-round or --optimizers")
     ap.add_argument("--seeds", type=int, default=3, help="with --one-round or --optimizers")
@@ -178,7 +185,8 @@ def main():
     variants = a.variants.split(",") if a.variants else None
     todo = optimizer_groups(spec, a.steps, a.seeds, variants or ("stock", "paper", "la2")) if spec else \
         (one_round_groups(tuple(float(x) for x in a.lr_mults.split(",")), a.steps, a.seeds,
-                             a.variants.split(",") if a.variants else ONE_ROUND_VARIANTS)
+                          a.variants.split(",") if a.variants else ONE_ROUND_VARIANTS, tuple(a.sizes.split(",")),
+                          tuple(float(x) for x in a.beta2s.split(",")))
             if a.one_round else groups(a.tiny, a.short))
     if spec:
         results["optimizers"] = a.optimizers

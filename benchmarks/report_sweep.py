@@ -10,10 +10,13 @@ from .report import LABELS, fmt
 
 
 # -- sweeps over the communication / compute ratio ------------------------------------------------
+NAMES = ("stock", "fixed", "dpu", "one_round", "dynamic")
+
+
 def sweep_points(summaries: Sequence[dict]) -> List[dict]:
     """One point per run: the measured ratio (one isolated round over half a step's compute, the
     probe's figures), each variant's step time and speedup over stock, and the ideal step times
-    (stock C + c, ACCO fixed max(C, 2c), DPU max(C, c); C the step's compute, c one round)."""
+    (stock C + c, ACCO fixed max(C, 2c), DPU and one-round max(C, c); C the step's compute, c one round)."""
     points = []
     for s in summaries:
         probe, gas, v = s["probe"], s["gas"], s["variants"]
@@ -21,9 +24,10 @@ def sweep_points(summaries: Sequence[dict]) -> List[dict]:
         c = s["probe_round_s"]
         point = {"label": s["label"], "world": s["world"], "gas": gas, "emulation": bool(s.get("emulation")),
                  "ratio": c / (compute / 2), "compute_s": compute, "round_s": c,
-                 "ideal": {"stock": compute + c, "fixed": max(compute, 2 * c), "dpu": max(compute, c)}}
+                 "ideal": {"stock": compute + c, "fixed": max(compute, 2 * c), "dpu": max(compute, c),
+                           "one_round": max(compute, c)}}
         stock = v.get("stock", {}).get("step_s")
-        for name in ("stock", "fixed", "dpu", "dynamic"):
+        for name in NAMES:
             if name not in v or not v[name].get("step_s"):
                 continue
             x = v[name]
@@ -53,7 +57,7 @@ def sweep_medians(points: Sequence[dict]) -> List[dict]:
         for k in ("ratio", "compute_s", "round_s"):
             m[k] = med([p[k] for p in ps])
         m["ideal"] = {k: med([p["ideal"][k] for p in ps]) for k in ps[0]["ideal"]}
-        for name in ("stock", "fixed", "dpu", "dynamic"):
+        for name in NAMES:
             runs = [p[name] for p in ps if p.get(name)]
             if not runs:
                 continue
@@ -71,10 +75,12 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
     points = sweep_medians(runs)
     os.makedirs(out_dir, exist_ok=True)
     emulated = any(p["emulation"] for p in points)
+    one_round = any(p.get("one_round") for p in points)
     lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients and rounds over "
               "the emulated network)", ""] if emulated else []) + [
         "| point | ranks | runs | round / half-step compute | stock s | fixed s (× stock, vs ideal) | DPU s (× stock, "
-        "vs ideal) | dynamic s per stock-sized step (× stock, busy) |", "|---|---|---|---|---|---|---|---|"]
+        "vs ideal) | " + ("one-round s (× stock, vs ideal) | " if one_round else "")
+        + "dynamic s per stock-sized step (× stock, busy) |", "|---|---|---|---|---|---|---|---|" + ("---|" if one_round else "")]
 
     def cell(p, name, extra):
         x = p.get(name)
@@ -91,7 +97,7 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
     for p in points:
         lines.append(f"| {p['label']} | {p['world']} | {p['runs']} | {p['ratio']:.2f} | "
                      f"{fmt(p.get('stock', {}).get('step_s'))} | {cell(p, 'fixed', vs_ideal)} | {cell(p, 'dpu', vs_ideal)} | "
-                     f"{cell(p, 'dynamic', lambda x: 'busy ' + fmt(x['busy'], '.0%'))} |")
+                     + (f"{cell(p, 'one_round', vs_ideal)} | " if one_round else "") + f"{cell(p, 'dynamic', lambda x: 'busy ' + fmt(x['busy'], '.0%'))} |")
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -108,7 +114,9 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
     for world in sorted({p["world"] for p in points}):
         ps = [p for p in points if p["world"] == world]
         xs = [p["ratio"] for p in ps]
-        for name, style in (("fixed", "o-"), ("dpu", "s-"), ("dynamic", "^-")):
+        for name, style in (("fixed", "o-"), ("dpu", "s-"), ("one_round", "D-"), ("dynamic", "^-")):
+            if not any(p.get(name) for p in ps):
+                continue
             ys = [p[name]["speedup"] if p.get(name) else float("nan") for p in ps]
             note = " (per token, at its larger batches)" if name == "dynamic" else ""
             ax.plot(xs, ys, style, label=f"{LABELS[name]}, {world} ranks{note}")

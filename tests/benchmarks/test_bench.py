@@ -628,7 +628,7 @@ def test_sweep_points_use_the_ideal_curves_and_label_emulation(tmp_path):
     C, c = s["probe"]["micro_batch_s"] * s["gas"], s["probe_round_s"]
     assert p["ratio"] == pytest.approx(c / (C / 2))
     assert p["ideal"] == {"stock": pytest.approx(C + c), "fixed": pytest.approx(max(C, 2 * c)),
-                          "dpu": pytest.approx(max(C, c))}
+                          "dpu": pytest.approx(max(C, c)), "one_round": pytest.approx(max(C, c))}
     assert p["fixed"]["speedup"] == pytest.approx(s["variants"]["stock"]["step_s"] / s["variants"]["fixed"]["step_s"])
     assert p["fixed"]["vs_ideal"] == pytest.approx(s["variants"]["fixed"]["step_s"] / max(C, 2 * c))
     paths = report_sweep.write_sweep([s], str(tmp_path))
@@ -637,6 +637,24 @@ def test_sweep_points_use_the_ideal_curves_and_label_emulation(tmp_path):
     s["emulation"] = "EMULATION: test"
     md = open(report_sweep.write_sweep([s], str(tmp_path))[0]).read()
     assert md.startswith("**EMULATION**")
+
+
+def test_sweep_reports_one_round_against_one_round_per_step(tmp_path):
+    """The one-round mode's ideal is max(C, c) (one round hidden behind the whole step), not fixed's
+    max(C, 2c); its column appears only in sweeps that ran it."""
+    s = summarize(_raw(), runner.ABSpec(warmup=1))
+    md = open(report_sweep.write_sweep([s], str(tmp_path))[0]).read()
+    assert "one-round" not in md
+    C, c = s["probe"]["micro_batch_s"] * s["gas"], s["probe_round_s"]
+    s["probe_round_s"] = c = 0.75 * C  # r = 1.5: the two ideals differ (1.5 C against C)
+    s["variants"]["one_round"] = dict(s["variants"]["fixed"], mode="one_round", step_s=1.1 * C)
+    (p,) = report_sweep.sweep_points([s])
+    assert p["one_round"]["vs_ideal"] == pytest.approx(1.1)
+    assert p["one_round"]["speedup"] == pytest.approx(s["variants"]["stock"]["step_s"] / (1.1 * C))
+    md = open(report_sweep.write_sweep([s], str(tmp_path))[0]).read()
+    head, rule, row = md.strip().splitlines()[-3:]
+    assert "one-round s (× stock, vs ideal)" in head and head.count("|") == rule.count("|") == row.count("|")
+    assert "1.10" in row.split("|")[-3]  # the one-round cell, before dynamic's
 
 
 def test_sweep_merges_repeats_into_medians(tmp_path):
