@@ -74,7 +74,7 @@ def _trace_variant(variant: str, spec: dict, base_cfg: dict, rows, rank: int, wo
         schedule.drain()  # the last round too
     rounds = [(f"{r.kind.value} {r.step}", r.started_at - t0, r.duration_s) for r in finished]
     engine.destroy()
-    return {"variant": variant, "compute": compute, "blocking": blocking, "rounds": rounds,
+    return {"variant": variant, "gas": spec["gas"], "compute": compute, "blocking": blocking, "rounds": rounds,
             "total_s": time.perf_counter() - t0}
 
 
@@ -97,10 +97,25 @@ def worker_main(spec_path: str) -> None:
         base_cfg = json.load(f)
     rows, _ = build_splits("embedded", seq_len=spec["seq_len"], holdout=0.02, seed=0)
     _trace_variant("stock", dict(spec, steps=1), base_cfg, rows, rank, world)  # warm-up, untraced
-    traces = [_trace_variant(v, spec, base_cfg, rows, rank, world) for v in ("stock", "fixed")]
+    traces = [_trace_variant(v, spec, base_cfg, rows, rank, world) for v in spec["variants"]]
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(traces, f)
+
+
+def stats(trace: dict) -> dict:
+    """Medians over a trace's steps after the first: step time (boundary to boundary), the compute lane's
+    waits per step (stock: its reduce, step and all-gather), and each round kind's duration."""
+    import statistics
+    gas = trace["gas"]
+    ends = [trace["compute"][i][0] for i in range(0, len(trace["compute"]), gas)]  # each step's first micro-batch
+    steps = [b - a for a, b in zip(ends[1:], ends[2:])] or [trace["total_s"]]
+    waits = [sum(d for s, d in trace["blocking"] if a <= s < b) for a, b in zip(ends[1:], ends[2:])] or [0.0]
+    kinds = {}
+    for name, _, d in trace["rounds"][1:]:
+        kinds.setdefault(name.split()[0], []).append(d)
+    return {"step_s": statistics.median(steps), "wait_s": statistics.median(waits),
+            "round_s": {k: statistics.median(v) for k, v in sorted(kinds.items())}}
 
 
 def plot(traces, path: str, title: str) -> None:
@@ -108,8 +123,9 @@ def plot(traces, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     span = max(t["total_s"] for t in traces)
-    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 1.9 * len(traces) + 0.6), sharex=True)
-    names = {"stock": "stock ZeRO-1", "fixed": "ACCO (fixed)"}
+    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 1.9 * len(traces) + 0.6), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    names = {"stock": "stock ZeRO-1", "fixed": "ACCO (fixed)", "dpu": "DPU", "one_round": "one-round"}
     for ax, tr in zip(axes, traces):
         ax.broken_barh(tr["compute"], (10, 8), facecolors="tab:blue")
         if tr["variant"] == "stock":
@@ -124,7 +140,10 @@ def plot(traces, path: str, title: str) -> None:
                 ax.broken_barh(waits, (10, 8), facecolors="none", edgecolors="tab:red", hatch="//")
         ax.set_yticks([4, 14], ["communication", "compute"])
         ax.set_xlim(0, span)
-        ax.set_title(f"{names.get(tr['variant'], tr['variant'])}: {tr['total_s']:.1f} s", fontsize=10, loc="left")
+        st = stats(tr)
+        rounds = "".join(f", {k} rounds {v:.3f} s" for k, v in st["round_s"].items())
+        ax.set_title(f"{names.get(tr['variant'], tr['variant'])}: {tr['total_s']:.1f} s; per step {st['step_s']:.3f} s, "
+                     f"compute waits {st['wait_s']:.3f} s{rounds} (medians)", fontsize=9, loc="left")
     axes[-1].set_xlabel("seconds (rank 0)")
     handles = [matplotlib.patches.Patch(color=c, label=l) for c, l in
                (("tab:blue", "micro-batch (forward+backward)"), ("tab:red", "stock: reduce + step + all-gather "
@@ -145,12 +164,22 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--n-embd", type=int, default=384)
     ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-head", type=int, default=6)
+    ap.add_argument("--variants", default="stock,fixed", help="comma-separated: stock, fixed, dpu, one_round")
+    ap.add_argument("--emulate-params", type=float, default=None,
+                    help="EMULATION (benchmarks/emulation.py): bring the model to this many parameters")
+    ap.add_argument("--emulate-compute-s", type=float, default=None,
+                    help="EMULATION: each micro-batch's forward + backward is this many seconds of waiting")
     ap.add_argument("--out", default="bench_results/timeline.png")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
     spec = {"seed": 0, "seq_len": 32, "micro_batch": 4, "gas": args.gas, "steps": args.steps,
-            "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "n_head": 6},
-            "base_config": configs.path("zero1.json")}
+            "model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "n_head": args.n_head},
+            "base_config": configs.path("zero1.json"), "variants": args.variants.split(",")}
+    if (args.emulate_params is None) != (args.emulate_compute_s is None):
+        ap.error("--emulate-params and --emulate-compute-s go together")
+    if args.emulate_params is not None:
+        spec["emulate"] = {"params": int(args.emulate_params), "compute_s": args.emulate_compute_s}
     with tempfile.TemporaryDirectory() as tmp:
         spec["out"] = os.path.join(tmp, "trace.json")
         spec_path = os.path.join(tmp, "spec.json")
@@ -177,12 +206,15 @@ def main(argv=None) -> int:
         with open(spec["out"]) as f:
             traces = json.load(f)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    title = (f"2 ranks, {where}; GPT-2 {args.n_layer}x{args.n_embd}, gradient_accumulation_steps {args.gas}, "
-             f"{args.steps} steps")
+    model = (f"EMULATION: {args.emulate_params:.3g} parameters, {args.emulate_compute_s} s per micro-batch"
+             if args.emulate_params is not None else f"GPT-2 {args.n_layer}x{args.n_embd}")
+    title = f"2 ranks, {where}; {model}, gradient_accumulation_steps {args.gas}, {args.steps} steps"
     plot(traces, args.out, title)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump({"command": "python -m benchmarks timeline " + " ".join(argv or sys.argv[1:]),
                    "setup": title, "traces": traces}, f)
+    for tr in traces:
+        print(tr["variant"], json.dumps(stats(tr)))
     print(f"wrote {args.out}")
     return 0
 

@@ -10,8 +10,11 @@ cost no more kernels than one flat DeepSpeed master of the same size.
 :func:`chunk_elements` is the one place that chooses the chunk:
 
 * an explicit ``acco.chunk_elements`` is taken as given;
-* CPU: 2 Mi elements, and at most 1/64 of the shard (not below 64 Ki), so small models do not pay
-  the default's megabytes beside the compute lane's activations;
+* CPU: 2 Mi elements, and at most 1/64 of the shard (not below 256 Ki), so small models do not pay
+  the default's megabytes beside the compute lane's activations; the floor is gloo's: its all-gather
+  travels through a chunk-sized buffer in pieces (comm/collectives.py), and pieces of 64 Ki elements
+  paid a per-call cost (a 16 MB gather over 1 Gbit/s: 0.12-0.14 s in 64 Ki pieces, 0.07 s in
+  128-256 Ki pieces, 0.08 s in one call; docs/bench/emulation-one-round);
 * accelerators: launches cost more than bytes there, so 64 Mi elements (a 7B model's shard on 8
   ranks is then 14 windows), or the whole shard when it is smaller.
 
@@ -27,8 +30,8 @@ import torch
 
 CPU_CHUNK_ELEMS = 1 << 21
 """CPU: 2 Mi elements, 8 MiB per fp32 buffer."""
-CPU_MIN_CHUNK_ELEMS = 1 << 16
-"""CPU: the 1/64-of-the-shard bound never goes below this."""
+CPU_MIN_CHUNK_ELEMS = 1 << 18
+"""CPU: the 1/64-of-the-shard bound never goes below this (1 MiB per fp32 buffer; gloo's gather pieces)."""
 ACCELERATOR_CHUNK_ELEMS = 1 << 26
 """Accelerators: 64 Mi elements (256 MiB per fp32 buffer)."""
 MAX_CHUNK_ELEMS = 1 << 26
