@@ -105,7 +105,7 @@ def test_auto_is_the_default_and_the_schedule_applies_the_policy():
     assert AccoConfig().chunk_elements == "auto"
     assert ScheduleOptions.from_config(AccoConfig(), 4).chunk_elems is None
     assert ScheduleOptions.from_config(AccoConfig(chunk_elements=4096), 4).chunk_elems == 4096
-    for requested, expected in ((None, 64 * 1024), (4096, 4096)):
+    for requested, expected in ((None, 256 * 1024), (4096, 4096)):
         live = torch.zeros(3 * M)
         group = FlatBuffers(live, torch.zeros_like(live), torch.zeros(3 * M), rank=0, world=1,
                             comm_dtype=torch.float32)
