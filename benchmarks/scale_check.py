@@ -24,7 +24,7 @@ from .scale_model import Link, Setup, step_times
 
 RATES = {"1gbit": 1e9, "100mbit": 1e8, "10gbit": 1e10}  # the emulation's tc rates, bits/s
 MODES = ("stock", "fixed", "dpu")
-FIT_ON = "emulation-rep"  # the headline 2-rank sweep (BENCHMARKS.md, "Step time against r")
+FIT_ON = "emulation-one-round"  # the headline 2-rank sweep (BENCHMARKS.md, "Step time against r")
 ETA_GRID = tuple(x / 100 for x in range(20, 101))
 
 
