@@ -4,6 +4,7 @@ text, and on the small model over a long run, through the single-process simulat
 seeds (one group per seed and setting, the three variants stacked in it).
 
     python -m benchmarks.long_runs size OUT.json --seed 0 --lr-mult 1     # ~5M parameters, stdlib-source
+    python -m benchmarks.long_runs size OUT.json --seed 0 --model 14m     # ~14M (n_embd 384, 8 layers)
     python -m benchmarks.long_runs horizon OUT.json --seed 0 [--steps 5000]
     python -m benchmarks.long_runs report OUT.json [OUT2.json ...] [--plot PNG]
 
@@ -31,18 +32,20 @@ from .fidelity_sweep import SMALL
 
 VARIANTS = ("stock", "paper", "la2")
 SIZE_5M = dict(n_embd=256, n_layer=6, n_head=8)
+SIZE_14M = dict(n_embd=384, n_layer=8, n_head=6)  # 14.3M parameters with the byte vocabulary
+MODELS = {"5m": SIZE_5M, "14m": SIZE_14M}
 
 
-def setting(kind: str, lr_mult: float = 1.0, steps: int = 0) -> multirun.Setting:
+def setting(kind: str, lr_mult: float = 1.0, steps: int = 0, model: str = "5m") -> multirun.Setting:
     if kind == "size":
-        return multirun.Setting(**SIZE_5M, lr=1e-3 * lr_mult, steps=steps or 300, warmup=15, eval_every=25,
+        return multirun.Setting(**MODELS[model], lr=1e-3 * lr_mult, steps=steps or 300, warmup=15, eval_every=25,
                                 corpus="stdlib-source")
     steps = steps or 5000
     return multirun.Setting(**SMALL, lr=1e-3 * lr_mult, steps=steps, warmup=steps // 20, eval_every=100)
 
 
-def run(kind: str, out: str, seed: int, lr_mult: float, steps: int, device: str = "cpu") -> dict:
-    s = setting(kind, lr_mult, steps)
+def run(kind: str, out: str, seed: int, lr_mult: float, steps: int, device: str = "cpu", model: str = "5m") -> dict:
+    s = setting(kind, lr_mult, steps, model)
     t0 = time.time()
     recs = multirun.run_group(s, [(v, seed) for v in VARIANTS], device,
                               log=lambda m: print(f"{time.time() - t0:.0f}s {m}", flush=True))
@@ -118,6 +121,7 @@ def main():
     ap.add_argument("--lr-mult", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=0, help="0: 300 (size) / 5000 (horizon)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", choices=sorted(MODELS), default="5m", help="with size: 5m (4.81M) or 14m (14.3M)")
     a = ap.parse_args()
     if a.kind == "report":
         results = [json.load(open(p)) for p in a.out]
@@ -126,7 +130,7 @@ def main():
             plot(results, a.plot)
         return
     torch.set_num_threads(1)
-    run(a.kind, a.out[0], a.seed, a.lr_mult, a.steps, a.device)
+    run(a.kind, a.out[0], a.seed, a.lr_mult, a.steps, a.device, a.model)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ from .report import LABELS, fmt
 
 
 # -- sweeps over the communication / compute ratio ------------------------------------------------
-NAMES = ("stock", "fixed", "dpu", "one_round", "dynamic")
+NAMES = ("stock", "fixed", "dpu", "one_round", "dynamic", "auto", "auto_all")
+AUTO_CANDIDATES = {"auto": ("stock", "fixed"), "auto_all": ("stock", "fixed", "one_round")}
+"""The modes each auto variant may run (its ``auto_modes``): its step is compared with the best of them."""
 
 
 def sweep_points(summaries: Sequence[dict]) -> List[dict]:
@@ -38,6 +40,10 @@ def sweep_points(summaries: Sequence[dict]) -> List[dict]:
             point[name] = {"step_s": step, "speedup": stock / step if stock else None,
                            "busy": x.get("compute_busy"), "vs_ideal": (step / point["ideal"][name]
                                                                         if name in point["ideal"] else None)}
+            if name in AUTO_CANDIDATES:  # against the best of its candidates measured in the same run
+                best = [v[c]["step_s"] for c in AUTO_CANDIDATES[name] if v.get(c, {}).get("step_s")]
+                point[name]["vs_best"] = step / min(best) if len(best) == len(AUTO_CANDIDATES[name]) else None
+                point[name]["chose"] = (x.get("auto") or {}).get("choice")
         points.append(point)
     return sorted(points, key=lambda p: (p["world"], p["ratio"]))
 
@@ -61,7 +67,12 @@ def sweep_medians(points: Sequence[dict]) -> List[dict]:
             runs = [p[name] for p in ps if p.get(name)]
             if not runs:
                 continue
-            m[name] = {k: med([r[k] for r in runs if r.get(k) is not None]) for k in ("step_s", "speedup", "busy", "vs_ideal")}
+            m[name] = {k: med([r[k] for r in runs if r.get(k) is not None])
+                       for k in ("step_s", "speedup", "busy", "vs_ideal", "vs_best")}
+            if name in AUTO_CANDIDATES:
+                m[name]["chose"] = [r.get("chose") for r in runs]
+                best = [r["vs_best"] for r in runs if r.get("vs_best") is not None]
+                m[name]["vs_best_range"] = [min(best), max(best)] if best else None
             ideal = [r["vs_ideal"] for r in runs if r.get("vs_ideal") is not None]
             m[name]["vs_ideal_range"] = [min(ideal), max(ideal)] if ideal else None
         out.append(m)
@@ -75,12 +86,6 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
     points = sweep_medians(runs)
     os.makedirs(out_dir, exist_ok=True)
     emulated = any(p["emulation"] for p in points)
-    one_round = any(p.get("one_round") for p in points)
-    lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients and rounds over "
-              "the emulated network)", ""] if emulated else []) + [
-        "| point | ranks | runs | round / half-step compute | stock s | fixed s (× stock, vs ideal) | DPU s (× stock, "
-        "vs ideal) | " + ("one-round s (× stock, vs ideal) | " if one_round else "")
-        + "dynamic s per stock-sized step (× stock, busy) |", "|---|---|---|---|---|---|---|---|" + ("---|" if one_round else "")]
 
     def cell(p, name, extra):
         x = p.get(name)
@@ -92,12 +97,29 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
         lo_hi = x.get("vs_ideal_range")
         spread = f" [{lo_hi[0]:.2f}–{lo_hi[1]:.2f}]" if lo_hi and lo_hi[0] != lo_hi[1] else ""
         return fmt(x["vs_ideal"], ".2f") + spread
+
+    def vs_best(x):
+        lo_hi = x.get("vs_best_range")
+        spread = f" [{lo_hi[0]:.2f}–{lo_hi[1]:.2f}]" if lo_hi and lo_hi[0] != lo_hi[1] else ""
+        chose = x.get("chose")
+        chose = chose if isinstance(chose, list) else [chose]
+        return fmt(x.get("vs_best"), ".2f") + spread + "; chose " + ", ".join(str(c) for c in chose)
+    # fixed, DPU and dynamic always (the sweep's original columns); one-round and auto where a run had them
+    cols = [("fixed", "fixed s (× stock, vs ideal)", vs_ideal), ("dpu", "DPU s (× stock, vs ideal)", vs_ideal),
+            ("one_round", "one-round s (× stock, vs ideal)", vs_ideal),
+            ("dynamic", "dynamic s per stock-sized step (× stock, busy)", lambda x: "busy " + fmt(x["busy"], ".0%")),
+            ("auto", "auto s (× stock, vs best of stock / fixed; chose)", vs_best),
+            ("auto_all", "auto_all s (× stock, vs best of stock / fixed / one-round; chose)", vs_best)]
+    cols = [c for c in cols if c[0] in ("fixed", "dpu", "dynamic") or any(p.get(c[0]) for p in points)]
+    lines = (["**EMULATION** (accelerator stand-in: compute is a wait, no CPU; real gradients and rounds over "
+              "the emulated network)", ""] if emulated else []) + [
+        "| point | ranks | runs | round / half-step compute | stock s | " + " | ".join(h for _, h, _ in cols) + " |",
+        "|---|---|---|---|---|" + "---|" * len(cols)]
     if any(p["runs"] > 1 for p in points):
         lines[-2:-2] = ["Medians over the runs of each point; [range] of \"vs ideal\" over them.", ""]
     for p in points:
         lines.append(f"| {p['label']} | {p['world']} | {p['runs']} | {p['ratio']:.2f} | "
-                     f"{fmt(p.get('stock', {}).get('step_s'))} | {cell(p, 'fixed', vs_ideal)} | {cell(p, 'dpu', vs_ideal)} | "
-                     + (f"{cell(p, 'one_round', vs_ideal)} | " if one_round else "") + f"{cell(p, 'dynamic', lambda x: 'busy ' + fmt(x['busy'], '.0%'))} |")
+                     f"{fmt(p.get('stock', {}).get('step_s'))} | " + " | ".join(cell(p, n, e) for n, _, e in cols) + " |")
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -197,6 +197,9 @@ def summarize(raw: dict, spec: Optional[ABSpec] = None) -> dict:
             "predicted_step_s": pred.step_s if pred is not None else None,
             "predicted_tokens_per_s": pred.tokens_per_s if pred is not None else None,
         }
+        decisions = [run["ranks"][0].get("auto") for run in runs if run["ranks"][0].get("auto")]
+        if decisions:  # mode auto: what it chose and why (the first run's; every rank took the same)
+            variants[name]["auto"] = decisions[0]
     # Each variant is compared with the stock run of its own framework (FSDP2 ones with stock FSDP2
     # when it ran, else with stock ZeRO-1); the loss target is stock ZeRO-1's (else stock FSDP2's).
     ref = variants.get("stock") or variants.get("fsdp_stock")

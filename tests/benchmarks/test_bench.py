@@ -657,6 +657,30 @@ def test_sweep_reports_one_round_against_one_round_per_step(tmp_path):
     assert "1.10" in row.split("|")[-3]  # the one-round cell, before dynamic's
 
 
+def test_sweep_compares_auto_with_the_best_of_its_candidates(tmp_path):
+    """Issue 42 item 5's goal is auto within 5% of the best mode it may run, measured in the same run: not
+    against stock alone, and auto_all's candidates include one-round."""
+    raw = _raw()
+    for name in ("auto", "auto_all"):  # the decision travels from rank 0's record into the summary
+        rank = dict(_rank("fixed", 4, 5, metrics=raw["runs"][1]["ranks"][0]["acco_metrics"]), variant=name,
+                    auto={"choice": "acco", "compute_s": 0.4, "round_s": 0.3})
+        raw["runs"].append({"variant": name, "ranks": [rank] * 2})
+    s = summarize(raw, runner.ABSpec(warmup=1))
+    assert s["variants"]["auto"]["auto"]["choice"] == "acco" and "auto" not in s["variants"]["fixed"]
+    stock = s["variants"]["stock"]["step_s"]
+    s["variants"]["fixed"] = dict(s["variants"]["fixed"], step_s=0.5 * stock)
+    s["variants"]["one_round"] = dict(s["variants"]["fixed"], mode="one_round", step_s=0.4 * stock)
+    for name in ("auto", "auto_all"):
+        s["variants"][name] = dict(s["variants"][name], step_s=0.525 * stock)
+    (p,) = report_sweep.sweep_points([s])
+    assert p["auto"]["vs_best"] == pytest.approx(1.05) and p["auto"]["chose"] == "acco"
+    assert p["auto_all"]["vs_best"] == pytest.approx(0.525 / 0.4)  # one-round was the best of its three
+    md = open(report_sweep.write_sweep([s], str(tmp_path))[0]).read()
+    head, rule, row = md.strip().splitlines()[-3:]
+    assert "auto s (× stock, vs best of stock / fixed; chose)" in head and head.count("|") == row.count("|")
+    assert "1.05; chose acco" in row and "1.31; chose acco" in row
+
+
 def test_sweep_merges_repeats_into_medians(tmp_path):
     runs = []
     for k, fixed_s in enumerate((1.0, 3.0, 2.0)):

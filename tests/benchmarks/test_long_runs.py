@@ -9,6 +9,10 @@ def test_the_settings_are_the_issues():
     size = long_runs.setting("size", 2.0)
     assert (size.n_embd, size.n_layer, size.n_head, size.steps, size.corpus) == (256, 6, 8, 300, "stdlib-source")
     assert size.lr == pytest.approx(2e-3)
+    big = long_runs.setting("size", 1.0, model="14m")  # the issue's ~15M point, the same text and steps
+    assert (big.n_embd, big.n_layer, big.n_head, big.steps, big.corpus) == (384, 8, 6, 300, "stdlib-source")
+    from benchmarks.gpt import CausalLM
+    assert 13e6 < sum(p.numel() for p in CausalLM(big.seq_len, big.n_embd, big.n_layer, big.n_head).parameters()) < 16e6
     horizon = long_runs.setting("horizon")
     assert (horizon.steps, horizon.warmup, horizon.n_embd, horizon.corpus) == (5000, 250, 128, "embedded")
 
