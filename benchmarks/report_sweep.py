@@ -116,7 +116,8 @@ def write_sweep(summaries: Sequence[dict], out_dir: str, stem: str = "sweep") ->
         "| point | ranks | runs | round / half-step compute | stock s | " + " | ".join(h for _, h, _ in cols) + " |",
         "|---|---|---|---|---|" + "---|" * len(cols)]
     if any(p["runs"] > 1 for p in points):
-        lines[-2:-2] = ["Medians over the runs of each point; [range] of \"vs ideal\" over them.", ""]
+        lines[-2:-2] = ["Medians over the runs of each point; [range] of \"vs ideal\" over them (auto columns: of "
+                        "\"vs best\").", ""]
     for p in points:
         lines.append(f"| {p['label']} | {p['world']} | {p['runs']} | {p['ratio']:.2f} | "
                      f"{fmt(p.get('stock', {}).get('step_s'))} | " + " | ".join(cell(p, n, e) for n, _, e in cols) + " |")

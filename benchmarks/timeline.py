@@ -104,16 +104,19 @@ def worker_main(spec_path: str) -> None:
 
 
 def stats(trace: dict) -> dict:
-    """Medians over a trace's steps after the first: step time (boundary to boundary), the compute lane's
-    waits per step (stock: its reduce, step and all-gather), and each round kind's duration."""
+    """Medians over a trace's steps after the first: step time (one step's first micro-batch to the next
+    step's, so the last step is not timed), the compute lane's waits per step (stock: its reduce, step and
+    all-gather), and each round kind's duration (the rounds of step 0 left out)."""
     import statistics
     gas = trace["gas"]
     ends = [trace["compute"][i][0] for i in range(0, len(trace["compute"]), gas)]  # each step's first micro-batch
     steps = [b - a for a, b in zip(ends[1:], ends[2:])] or [trace["total_s"]]
     waits = [sum(d for s, d in trace["blocking"] if a <= s < b) for a, b in zip(ends[1:], ends[2:])] or [0.0]
     kinds = {}
-    for name, _, d in trace["rounds"][1:]:
-        kinds.setdefault(name.split()[0], []).append(d)
+    for name, _, d in trace["rounds"]:
+        kind, step = name.split()
+        if int(step) >= 1:
+            kinds.setdefault(kind, []).append(d)
     return {"step_s": statistics.median(steps), "wait_s": statistics.median(waits),
             "round_s": {k: statistics.median(v) for k, v in sorted(kinds.items())}}
 

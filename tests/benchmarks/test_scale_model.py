@@ -91,7 +91,7 @@ def test_check_against_the_committed_emulated_records():
     assert res["records"] >= 90 and res["out_of_sample"]["n"] >= 200
     assert res["eta"] == pytest.approx(0.62)  # fitted on emulation-one-round (docs/bench/scale-model)
     assert res["in_sample"]["median_abs"] < 0.03
-    assert res["out_of_sample"]["median_abs"] < 0.05  # 4.3% recorded
+    assert res["out_of_sample"]["median_abs"] < 0.05  # 3.9% recorded
     # r <= 1: 2.6% median, 28.4% max recorded (the max: 4 ranks sharing 2 cores, emulation-w4-rep)
     assert res["by_r"]["r <= 1"]["median_abs"] < 0.035 and res["by_r"]["r <= 1"]["max_abs"] < 0.30
     assert res["ideal_eta_1"]["median_abs"] > 1.5 * res["out_of_sample"]["median_abs"]  # the calibration matters

@@ -27,8 +27,10 @@ def test_cpu_keeps_the_memory_bound():
     assert chunking.chunk_elements("cpu", 64 * M) == M
     assert chunking.chunk_elements(torch.device("cpu"), M) == 256 * 1024
     assert chunking.chunk_elements("cpu", 1000) == 256 * 1024
-    for shard in (2 * M, 16 * M, SHARD_7B_8):  # every chunked gather moves at least 1 MiB of fp32 per call
-        assert chunking.chunk_elements("cpu", shard) * 4 >= M
+    for world in (2, 4, 8, 16, 32):  # each rank's piece of gloo's gather stays >= 64K elements, up to the cap
+        for shard in (M, 16 * M, SHARD_7B_8):
+            assert chunking.chunk_elements("cpu", shard, world=world) // world >= 64 * 1024
+    assert chunking.chunk_elements("cpu", M, world=64) == 2 * M  # the cap holds: the buffer stays 8 MiB
 
 
 def test_accelerators_take_64m_or_the_whole_shard():

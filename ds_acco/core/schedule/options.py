@@ -109,7 +109,7 @@ class ScheduleOptions:
         (core/checks/built.py), before the driver."""
         delay = DelayCompensation(groups, self.delay_compensation) if self.delay_compensation else None
         device = groups[0].comm.device
-        chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems)
+        chunk_elems = chunking.chunk_elements(device, sum(g.segment for g in groups), self.chunk_elems, world)
         shard_optimizer.chunk_elems = chunk_elems
         return RoundContext(
             groups=groups, shard_optimizer=shard_optimizer, process_group=process_group, norm_group=norm_group,

@@ -10,11 +10,12 @@ cost no more kernels than one flat DeepSpeed master of the same size.
 :func:`chunk_elements` is the one place that chooses the chunk:
 
 * an explicit ``acco.chunk_elements`` is taken as given;
-* CPU: 2 Mi elements, and at most 1/64 of the shard (not below 256 Ki), so small models do not pay
-  the default's megabytes beside the compute lane's activations; the floor is gloo's: its all-gather
-  travels through a chunk-sized buffer in pieces (comm/collectives.py), and pieces of 64 Ki elements
-  paid a per-call cost (a 16 MB gather over 1 Gbit/s: 0.12-0.14 s in 64 Ki pieces, 0.07 s in
-  128-256 Ki pieces, 0.08 s in one call; docs/bench/emulation-one-round);
+* CPU: 2 Mi elements, and at most 1/64 of the shard (not below 256 Ki, nor below 64 Ki per rank), so
+  small models do not pay the default's megabytes beside the compute lane's activations; the floor is
+  gloo's: its all-gather travels through a chunk-sized buffer in pieces of chunk / world elements per
+  rank (comm/collectives.py), and pieces of 32 Ki per rank paid a per-call cost (2 ranks, a 16 MB gather
+  over 1 Gbit/s: 0.12-0.14 s in 32 Ki-per-rank pieces, 0.07 s in 64-128 Ki, 0.08 s in one call;
+  docs/bench/emulation-one-round; measured at 2 ranks only);
 * accelerators: launches cost more than bytes there, so 64 Mi elements (a 7B model's shard on 8
   ranks is then 14 windows), or the whole shard when it is smaller.
 
@@ -32,6 +33,8 @@ CPU_CHUNK_ELEMS = 1 << 21
 """CPU: 2 Mi elements, 8 MiB per fp32 buffer."""
 CPU_MIN_CHUNK_ELEMS = 1 << 18
 """CPU: the 1/64-of-the-shard bound never goes below this (1 MiB per fp32 buffer; gloo's gather pieces)."""
+GLOO_MIN_PIECE_ELEMS = 1 << 16
+"""CPU: nor below this many elements per rank of gloo's gather pieces (the chunk is shared by the ranks)."""
 ACCELERATOR_CHUNK_ELEMS = 1 << 26
 """Accelerators: 64 Mi elements (256 MiB per fp32 buffer)."""
 MAX_CHUNK_ELEMS = 1 << 26
@@ -47,12 +50,15 @@ apart (torch's CPU fused Adam) then compute every element of a piece as they wou
 tensor."""
 
 
-def chunk_elements(device: Union[torch.device, str], shard_elems: int, requested: Optional[int] = None) -> int:
+def chunk_elements(device: Union[torch.device, str], shard_elems: int, requested: Optional[int] = None,
+                   world: int = 1) -> int:
     """Elements per chunk for a round over ``shard_elems`` elements on ``device``, at most
     :data:`MAX_CHUNK_ELEMS`.
 
     ``requested``: the user's ``acco.chunk_elements`` (None: chosen here). A result at least
-    ``shard_elems`` means unchunked: buffers are never larger than what a call walks through."""
+    ``shard_elems`` means unchunked: buffers are never larger than what a call walks through.
+    ``world``: the ranks a round's all-gather spans (CPU: each rank's piece of gloo's gather is
+    chunk / world elements, kept at least :data:`GLOO_MIN_PIECE_ELEMS` up to the 2 Mi cap)."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or not 1 <= requested <= MAX_CHUNK_ELEMS:
             raise ValueError(f"chunk_elements = {requested!r}: must be an integer from 1 to {MAX_CHUNK_ELEMS} (the "
@@ -61,7 +67,8 @@ def chunk_elements(device: Union[torch.device, str], shard_elems: int, requested
         return requested
     shard = max(1, int(shard_elems))
     if torch.device(device).type == "cpu":
-        return min(CPU_CHUNK_ELEMS, max(CPU_MIN_CHUNK_ELEMS, shard // 64))
+        floor = max(CPU_MIN_CHUNK_ELEMS, max(1, int(world)) * GLOO_MIN_PIECE_ELEMS)
+        return min(CPU_CHUNK_ELEMS, max(floor, shard // 64))
     return ACCELERATOR_CHUNK_ELEMS  # the whole shard when smaller: buffers are sized min(chunk, what a call walks)
 
 
