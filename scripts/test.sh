@@ -29,12 +29,9 @@ fi
 # pytest sessions at once; the slow tier's output follows the quick tier's. They share nothing but
 # the machine: their ranks bind their own ports, each session's /dev/shm sweep leaves the other's
 # live buffers alone (tests/shm_sweep.py).
-# Balance: the quick tier ends minutes before the slow tier, so a few slow files (about a fifth of the
-# slow tier's time) run after the quick tier, in its session's place, while the rest of the slow tier runs on.
-LATE=(tests/package/test_wheel.py tests/benchmarks/test_finetune.py tests/integration/test_lightning_example.py)
 slow_log=$(mktemp "${TMPDIR:-/tmp}/ds_acco-slow-tier.XXXXXX")
 set -m  # its own process group: a background job would otherwise ignore SIGINT (see the trap below)
-python -m pytest -q --durations=25 -m slow "${LATE[@]/#/--ignore=}" </dev/null >"$slow_log" 2>&1 &
+python -m pytest -q --durations=25 -m slow </dev/null >"$slow_log" 2>&1 &
 slow=$!
 set +m
 # Interrupted (Ctrl-C, CI's cancel): stop the slow tier as Ctrl-C would, so its tests end their jobs.
@@ -43,15 +40,11 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 quick_rc=0
 python -m pytest -q --durations=25 -m "not slow" || quick_rc=$?
-echo "==================== the slow tier's late files (-m slow ${LATE[*]}), after the quick tier ===================="
-late_rc=0
-python -m pytest -q --durations=10 -m slow "${LATE[@]}" </dev/null || late_rc=$?
 slow_rc=0
 wait "$slow" || slow_rc=$?
 slow=
-echo "==================== the rest of the slow tier (-m slow), run beside the quick tier ===================="
+echo "==================== the slow tier (-m slow), run beside the quick tier ===================="
 cat "$slow_log"
-echo "quick tier: exit $quick_rc; the slow tier's late files: exit $late_rc; the rest of the slow tier: exit $slow_rc"
+echo "quick tier: exit $quick_rc; slow tier: exit $slow_rc"
 (( quick_rc == 0 )) || exit "$quick_rc"
-(( late_rc == 0 )) || exit "$late_rc"
 exit "$slow_rc"
