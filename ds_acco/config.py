@@ -70,7 +70,7 @@ class AccoConfig(BaseModel):
         "auto", description="Rounds work through a shard in windows of at most this many elements (gradient "
         "norm, drift metric, functional optimizer step): the bound on their temporaries (a few windows' worth, "
         "at most 24 bytes per element), and what their kernel count follows. 'auto': on CPU 2M elements and at "
-        "most 1/64 of the shard (not below 256K); on accelerators 64M elements (or the whole shard when smaller). "
+        "most 1/64 of the shard (not below 256K, nor 64K per rank); on accelerators 64M elements (or the whole shard when smaller). "
         "An integer from 1024 to 2**26 (64M) overrides it.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
     estimate: EstimateConfig = Field(default_factory=EstimateConfig, description="How the estimate round "
