@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite from a fresh clone: creates .venv if missing, installs this package with torch
 # pinned (an unpinned torch would pull a multi-GB CUDA build), then its test extras; with no
-# arguments it runs the whole suite (its two tiers at once), otherwise pytest with the arguments.
+# arguments it runs the whole suite, otherwise pytest with the arguments; in parallel workers (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
@@ -21,30 +21,18 @@ python -m pip install -q -e '.[test,mpi]'
 wait "$prebuild"
 export ACCO_TEST_OPS_BUILT=1
 # Test time limits: ACCO_TEST_TIMEOUT_SCALE (tests/timeouts.py; default 3x an idle machine's budget).
-if [[ $# -gt 0 || "${ACCO_TEST_SERIAL:-0}" == 1 ]]; then  # ACCO_TEST_SERIAL=1: one session, as before
+# Parallel (pytest-xdist, --dist loadfile: each module's tests run in one worker, in order, so its
+# module fixtures start once; tests/conftest.py hands out the modules with whole jobs first): the whole
+# suite in 3 workers, anything else in 2. Measured on 2 idle cores (docs/testing.md, "Suite time"):
+# the suite is mostly process start-ups, waits on peers and sleeps, so a third worker pays and a fourth
+# costs more in contention than it hides. ACCO_TEST_WORKERS=N sets the number; ACCO_TEST_SERIAL=1 (or
+# -n, --pdb, --trace, -s among the arguments) runs one plain pytest session.
+serial=${ACCO_TEST_SERIAL:-0}
+for arg in "$@"; do
+  case $arg in -n|-n[0-9]*|--numprocesses*|--pdb|--trace|-s|--capture=no|-p) serial=1;; esac
+done
+if [[ "$serial" == 1 ]]; then
   exec python -m pytest -q --durations=25 "$@"  # the slowest tests, in every CI log
 fi
-# The whole suite: the slow tier (whole jobs under launchers, fresh interpreters: much of it waits on
-# start-ups, sleeps and peers, about one core of two busy on average) runs beside the quick tier, two
-# pytest sessions at once; the slow tier's output follows the quick tier's. They share nothing but
-# the machine: their ranks bind their own ports, each session's /dev/shm sweep leaves the other's
-# live buffers alone (tests/shm_sweep.py).
-slow_log=$(mktemp "${TMPDIR:-/tmp}/ds_acco-slow-tier.XXXXXX")
-set -m  # its own process group: a background job would otherwise ignore SIGINT (see the trap below)
-python -m pytest -q --durations=25 -m slow </dev/null >"$slow_log" 2>&1 &
-slow=$!
-set +m
-# Interrupted (Ctrl-C, CI's cancel): stop the slow tier as Ctrl-C would, so its tests end their jobs.
-trap '[[ -n "$slow" ]] && kill -INT "$slow" 2>/dev/null && wait "$slow"; rm -f "$slow_log"' EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-quick_rc=0
-python -m pytest -q --durations=25 -m "not slow" || quick_rc=$?
-slow_rc=0
-wait "$slow" || slow_rc=$?
-slow=
-echo "==================== the slow tier (-m slow), run beside the quick tier ===================="
-cat "$slow_log"
-echo "quick tier: exit $quick_rc; slow tier: exit $slow_rc"
-(( quick_rc == 0 )) || exit "$quick_rc"
-exit "$slow_rc"
+workers=${ACCO_TEST_WORKERS:-$([[ $# -eq 0 ]] && echo 3 || echo 2)}
+exec python -m pytest -q --durations=25 -n "$workers" --dist loadfile "$@"

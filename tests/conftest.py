@@ -60,6 +60,21 @@ def pytest_collection_finish(session):
         os.environ["ACCO_TEST_OPS_BUILT"] = "1"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules with whole jobs (a ``slow`` test) first, each module's tests kept together and in order.
+    Under pytest-xdist (scripts/test.sh: ``--dist loadfile``) the workers take modules in this order,
+    so the longest modules start first instead of one of them starting last on an otherwise idle
+    machine; in one session the order changes nothing a test may depend on (each module's fixtures
+    are its own). The same order in every worker: xdist requires identical collections."""
+    first_slow = {}
+    for i, item in enumerate(items):
+        first_slow.setdefault(item.nodeid.split("::")[0], [i, False])
+        if item.get_closest_marker("slow") is not None:
+            first_slow[item.nodeid.split("::")[0]][1] = True
+    items.sort(key=lambda item: (not first_slow[item.nodeid.split("::")[0]][1],
+                                 first_slow[item.nodeid.split("::")[0]][0]))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _clean_deepspeed_shm():
     yield
