@@ -71,7 +71,7 @@ setup(
     extras_require={
         # Tested: transformers 5.24.0, accelerate 1.15.0, lightning 2.6.6, matplotlib 3.x. lightning 2.6
         # needs torch >= 2.1 and leaves an installed torch 2.13 in place.
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5,<6", "accelerate>=1.15", "lightning>=2.6,<2.7", "tqdm",
+        "test": ["pytest>=8", "pytest-xdist>=3.8", "transformers>=5,<6", "accelerate>=1.15", "lightning>=2.6,<2.7", "tqdm",
                  "matplotlib>=3.5", "datasets", "lion-pytorch>=0.2"],
         "hf": ["transformers>=5,<6", "accelerate>=1.15"],
         "lightning": ["lightning>=2.6,<2.7"],

@@ -22,17 +22,25 @@ wait "$prebuild"
 export ACCO_TEST_OPS_BUILT=1
 # Test time limits: ACCO_TEST_TIMEOUT_SCALE (tests/timeouts.py; default 3x an idle machine's budget).
 # Parallel (pytest-xdist, --dist loadfile: each module's tests run in one worker, in order, so its
-# module fixtures start once; tests/conftest.py hands out the modules with whole jobs first): the whole
+# module fixtures start once; --no-loadscope-reorder: the workers take the modules in the order
+# tests/conftest.py gives, those with whole jobs first, not xdist's largest-test-count-first): the whole
 # suite in 3 workers, anything else in 2. Measured on 2 idle cores (docs/testing.md, "Suite time"):
 # the suite is mostly process start-ups, waits on peers and sleeps, so a third worker pays and a fourth
-# costs more in contention than it hides. ACCO_TEST_WORKERS=N sets the number; ACCO_TEST_SERIAL=1 (or
-# -n, --pdb, --trace, -s among the arguments) runs one plain pytest session.
+# costs more in contention than it hides. ACCO_TEST_WORKERS=N or -n N among the arguments sets the
+# number; ACCO_TEST_SERIAL=1 (or --pdb, --trace, -s, --capture=no, -p no:xdist among the arguments)
+# runs one plain pytest session.
 serial=${ACCO_TEST_SERIAL:-0}
+workers=${ACCO_TEST_WORKERS:-$([[ $# -eq 0 ]] && echo 3 || echo 2)}
+prev=
 for arg in "$@"; do
-  case $arg in -n|-n[0-9]*|--numprocesses*|--pdb|--trace|-s|--capture=no|-p) serial=1;; esac
+  case $arg in
+    --pdb|--trace|-s|--capture=no|-pno:xdist) serial=1;;
+    no:xdist) [[ "$prev" == -p ]] && serial=1;;
+    -n|-n[0-9]*|--numprocesses|--numprocesses=*) workers=;;  # the arguments name the number
+  esac
+  prev=$arg
 done
 if [[ "$serial" == 1 ]]; then
   exec python -m pytest -q --durations=25 "$@"  # the slowest tests, in every CI log
 fi
-workers=${ACCO_TEST_WORKERS:-$([[ $# -eq 0 ]] && echo 3 || echo 2)}
-exec python -m pytest -q --durations=25 -n "$workers" --dist loadfile "$@"
+exec python -m pytest -q --durations=25 ${workers:+-n "$workers"} --dist loadfile --no-loadscope-reorder "$@"

@@ -8,8 +8,8 @@ and only if some live process has it open or mapped: both are read from /proc *a
 files, so a buffer created while we look is kept (checking maps alone removed buffers still being
 written -- a concurrent job's peer then waited for its file forever).
 
-Used by tests/conftest.py after every test module (two suites may run side by side: scripts/test.sh
-runs the quick and the slow tier at once) and, as a script, by .ci/run before the suite
+Used by tests/conftest.py after every test module (in each pytest-xdist worker: scripts/test.sh runs
+2-3 at once, and another suite may run beside them) and, as a script, by .ci/run before the suite
 (``python3 tests/shm_sweep.py``: every buffer no live process uses). Standard library only.
 """
 from __future__ import annotations
