@@ -77,9 +77,13 @@ def report(results) -> str:
     for res in results:
         by_setting.setdefault(_name(res), []).append(res)
     for name, group in by_setting.items():
-        for v in VARIANTS[1:]:
+        # every variant other than stock that the setting's records hold (alternatives run beside the three
+        # of VARIANTS, e.g. docs/bench/long-runs-cpu/lr2-alternatives), each over the records that have it
+        present = [r["variant"] for res in group for r in res["runs"] if r["variant"] != "stock"]
+        for v in dict.fromkeys([u for u in VARIANTS[1:] if u in present] + present):
             tails, marks, drift = [], [[], [], []], []
-            for res in group:
+            have = [res for res in group if any(r["variant"] == v for r in res["runs"])]
+            for res in have:
                 stock = next(r for r in res["runs"] if r["variant"] == "stock")["tail_mean"]
                 mine = next(r for r in res["runs"] if r["variant"] == v)
                 tails.append(100 * (mine["tail_mean"] / stock - 1))
@@ -88,7 +92,7 @@ def report(results) -> str:
                     marks[i].append(min(along, key=lambda p: abs(p[0] - frac * res["setting"]["steps"]))[1])
                 drift.append(mine["lag_median"])
             at = " / ".join(f"{statistics.median(m):+.2f}%" for m in marks)
-            lines.append(f"| {name} | {len(group)} | {v} | {statistics.median(tails):+.2f}% "
+            lines.append(f"| {name} | {len(have)} | {v} | {statistics.median(tails):+.2f}% "
                          f"[{min(tails):+.2f}, {max(tails):+.2f}] | {at} | {statistics.median(drift):.2f} |")
     return "\n".join(lines)
 

@@ -35,3 +35,14 @@ def test_the_report_pairs_each_run_with_its_own_seeds_stock():
 def test_the_gap_along_the_run_is_per_evaluation():
     along = long_runs.gaps_along(_res(0, 2.0, 2.2, 1.8))
     assert along["paper"][-1] == (1000, pytest.approx(10.0)) and along["la2"][0] == (100, 0.0)
+
+
+def test_the_report_has_a_row_for_each_alternative_over_the_seeds_that_ran_it():
+    # docs/bench/long-runs-cpu/lr2-alternatives: stock (carried) and la1.5 on some seeds, beside the full records
+    alt = _res(1, 3.0, 2.97, 2.97)
+    alt["runs"] = [alt["runs"][0], dict(alt["runs"][0], variant="la1.5", tail_mean=3.03)]
+    rows = long_runs.report([_res(0, 2.0, 2.02, 2.02), _res(1, 3.0, 2.97, 2.97), alt]).splitlines()
+    la15 = next(r for r in rows if "| la1.5 |" in r)
+    assert "| 1 | la1.5 | +1.00% [+1.00, +1.00]" in la15, la15  # against seed 1's stock, one seed
+    la2 = next(r for r in rows if "| la2 |" in r)
+    assert "| 2 | la2 |" in la2, la2  # the alternative's record holds no la2: not counted as a seed of it
