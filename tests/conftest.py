@@ -66,13 +66,12 @@ def pytest_collection_modifyitems(config, items):
     so the longest modules start first instead of one of them starting last on an otherwise idle
     machine; in one session the order changes nothing a test may depend on (each module's fixtures
     are its own). The same order in every worker: xdist requires identical collections."""
-    first_slow = {}
+    module = lambda item: item.nodeid.split("::")[0]
+    first = {}
     for i, item in enumerate(items):
-        first_slow.setdefault(item.nodeid.split("::")[0], [i, False])
-        if item.get_closest_marker("slow") is not None:
-            first_slow[item.nodeid.split("::")[0]][1] = True
-    items.sort(key=lambda item: (not first_slow[item.nodeid.split("::")[0]][1],
-                                 first_slow[item.nodeid.split("::")[0]][0]))
+        first.setdefault(module(item), i)
+    slow = {module(item) for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (module(item) not in slow, first[module(item)]))
 
 
 @pytest.fixture(scope="module", autouse=True)
