@@ -3,6 +3,7 @@
 seeds; per run whether it diverged and how many loss spikes it had.
 
     python -m benchmarks.edge_of_stability OUT.json --size small --lr-mults 4,8 [--steps 300 --seeds 3]
+    python -m benchmarks.edge_of_stability OUT.json --size small --lr-mults 8 --variants stock,la2+warm
     python -m benchmarks.edge_of_stability --table OUT.json [OUT2.json ...]
 
 A *spike*: a held-out evaluation above 1.1x the lowest one before it. *Diverged*: a non-finite
@@ -23,7 +24,7 @@ from . import multirun
 from .fidelity_sweep import LARGE, SMALL
 
 SPIKE = 1.1
-VARIANTS = ("stock", "paper", "la2")
+VARIANTS = ("stock", "paper", "la2")  # the default --variants
 
 
 def spikes(curve) -> int:
@@ -46,7 +47,7 @@ def table(groups) -> str:
              "|---|---|---|---|---|---|"]
     for g in groups:
         stock = {r["seed"]: r for r in g["runs"] if r["variant"] == "stock"}
-        for v in VARIANTS:
+        for v in dict.fromkeys(r["variant"] for r in g["runs"]):  # each variant present, in run order
             mine = [r for r in g["runs"] if r["variant"] == v]
             if not mine:
                 continue
@@ -68,10 +69,17 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated names from benchmarks.multirun.VARIANTS; stock first (the gaps' reference)")
     a = ap.parse_args()
     if a.table:
         print(table([g for path in a.out for g in json.load(open(path))["groups"]]))
         return
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in multirun.VARIANTS]
+    if unknown or variants[0] != "stock":
+        ap.error(f"--variants {a.variants!r}: stock first, then names from {sorted(multirun.VARIANTS)}"
+                 + (f" (unknown: {unknown})" if unknown else ""))
     torch.set_num_threads(1)
     size = SMALL if a.size == "small" else LARGE
     results = {"device": a.device, "torch": torch.__version__, "groups": []}
@@ -79,7 +87,7 @@ def main():
     for mult in (float(x) for x in a.lr_mults.split(",")):
         g0 = time.time()
         s = multirun.Setting(**size, lr=1e-3 * mult, steps=a.steps, warmup=max(2, a.steps // 20), eval_every=25)
-        runs = [(v, seed) for seed in range(a.seeds) for v in VARIANTS]
+        runs = [(v, seed) for seed in range(a.seeds) for v in variants]
         recs = multirun.run_group(s, runs, a.device)
         results["groups"].append({"size": a.size, "lr_mult": mult, "steps": a.steps, "beta2": s.beta2,
                                   "wall_s": time.time() - g0, "runs": recs})

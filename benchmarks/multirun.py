@@ -63,6 +63,10 @@ VARIANTS = {
     "warm": Variant("warm", warm=-1),  # -1: the schedule's warm-up steps
     "la1.5": Variant("la1.5", lr_scale=1.5),
     "la2": Variant("la2", lr_scale=2.0),
+    # the look-ahead with stock's schedule through the LR warm-up: the simulator's form of the library's
+    # "sync_warmup_steps" set to the scheduler's warm-up (issue 43's high-LR candidates)
+    "la2+warm": Variant("la2+warm", lr_scale=2.0, warm=-1),
+    "la1.5+warm": Variant("la1.5+warm", lr_scale=1.5, warm=-1),
     "la1.25": Variant("la1.25", lr_scale=1.25),
     "la0.5": Variant("la0.5", lr_scale=0.5),  # below the paper's (issue 43 item 4: the normalised families)
     "la0": Variant("la0", lr_scale=0.0),  # θ̃_{t+1} = θ_t: the first half one step stale

@@ -1,7 +1,10 @@
 """The edge-of-stability table's two verdicts (benchmarks/edge_of_stability.py): spikes and divergence."""
 import math
+import sys
 
-from benchmarks.edge_of_stability import diverged, spikes, table
+import pytest
+
+from benchmarks.edge_of_stability import diverged, main, spikes, table
 
 
 def curve(*losses):
@@ -29,3 +32,20 @@ def test_the_table_pairs_each_run_with_stocks_on_its_seed():
     out = table([{"size": "small", "lr_mult": 8, "steps": 300, "runs": runs}])
     # seed 0: -25%, seed 1: +50% (not pooled: each against its own seed's stock); seed 1 diverged and spiked
     assert "| small LR x8, 300 steps | 2 | la2 | +12.50% [-25.00, +50.00] | 1 of 2 | 0, 1 |" in out
+
+
+def test_the_table_has_a_row_for_each_variant_the_file_holds_in_run_order():
+    runs = [{"variant": "stock", "seed": 0, "tail_mean": 4.0, "heldout": curve(5.0, 4.0)},
+            {"variant": "la2+warm", "seed": 0, "tail_mean": 3.0, "heldout": curve(5.0, 3.0)},
+            {"variant": "la1.5", "seed": 0, "tail_mean": 5.0, "heldout": curve(5.0, 5.0)}]
+    rows = table([{"size": "large", "lr_mult": 8, "steps": 300, "runs": runs}]).splitlines()[2:]
+    assert [r.split(" | ")[2] for r in rows] == ["stock", "la2+warm", "la1.5"]
+    assert "| large LR x8, 300 steps | 1 | la1.5 | +25.00% [+25.00, +25.00] | 1 of 1 | 0 |" in rows
+
+
+def test_unknown_or_misordered_variants_are_refused_naming_the_flag(monkeypatch, capsys):
+    for bad in ("stock,la9", "la2,stock"):
+        monkeypatch.setattr(sys, "argv", ["edge_of_stability", "x.json", "--variants", bad])
+        with pytest.raises(SystemExit):
+            main()
+        assert "--variants" in capsys.readouterr().err
