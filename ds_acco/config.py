@@ -8,7 +8,7 @@ point parses it once (:meth:`AccoConfig.from_block`) and hands the parsed object
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Optional, Tuple, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -75,9 +75,12 @@ class AccoConfig(BaseModel):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Per-step overlap metrics.")
     estimate: EstimateConfig = Field(default_factory=EstimateConfig, description="How the estimate round "
                                      "computes θ̃ (mode 'acco'); \"paper\" for the paper's estimate.")
-    sync_warmup_steps: int = Field(
-        0, ge=0, description="The first N optimizer steps run stock's synchronous schedule (one round per "
-        "step, waited for at once; ACCO's buffers), then ACCO starts from there (fixed accumulation).")
+    sync_warmup_steps: Union[Annotated[int, Field(ge=0)], Literal["lr_warmup"]] = Field(
+        0, description="The first N optimizer steps run stock's synchronous schedule (one round per "
+        "step, waited for at once; ACCO's buffers), then ACCO starts from there (fixed accumulation). "
+        "'lr_warmup': N is the warm-up of the DeepSpeed \"scheduler\" block (WarmupLR / WarmupDecayLR / "
+        "WarmupCosineLR). Default: 0, and for the normalised-update family (Adafactor, Lion) the LR warm-up's "
+        "steps where that scheduler gives them (docs/estimate.md).")
     # Set by for_optimizer: (the optimizer's family in the banner's words, the family's default lr_scale).
     _family: Optional[tuple] = PrivateAttr(None)
 
@@ -113,6 +116,14 @@ class AccoConfig(BaseModel):
             raise ValueError(f"must be \"auto\" (chosen per device) or an integer number of elements from 1024 to "
                              f"{MAX_CHUNK_ELEMENTS} (2**26, the bound of a round's temporaries)")
         return v
+
+    @field_validator("sync_warmup_steps", mode="before")
+    @classmethod
+    def _sync_warmup_steps(cls, v: Any) -> Any:
+        if (v == "lr_warmup" and isinstance(v, str)) or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError("must be a number of optimizer steps (an integer, 0 or more) or \"lr_warmup\" (the "
+                         "warm-up of the DeepSpeed \"scheduler\" block)")
 
     @classmethod
     def _coerce(cls, block: Mapping[str, Any]) -> dict:
@@ -177,7 +188,7 @@ class AccoConfig(BaseModel):
             raise _refused("one_round_accumulation", f"acco.accumulation = {cfg.accumulation!r} with acco.mode = "
                            "'one_round'; fix: use \"accumulation\": \"fixed\" (or \"mode\": \"acco\")")
         if cfg.sync_warmup_steps and cfg.accumulation != "fixed":
-            raise _refused("acco_sync_warmup_not_fixed", f"acco.sync_warmup_steps = {cfg.sync_warmup_steps} with "
+            raise _refused("acco_sync_warmup_not_fixed", f"acco.sync_warmup_steps = {cfg.sync_warmup_steps!r} with "
                            f"acco.accumulation = {cfg.accumulation!r}: the synchronous warm-up runs stock's fixed "
                            "schedule; fix: use \"accumulation\": \"fixed\" or remove sync_warmup_steps")
         d = cfg.dynamic
@@ -187,23 +198,44 @@ class AccoConfig(BaseModel):
                            "max_micro_batches or lower min_micro_batches")
         return cfg
 
-    def for_optimizer(self, optimizer) -> "AccoConfig":
-        """This config for the optimizer the adapter built (an instance or its class): where the block
-        does not set ``estimate.lr_scale``, the default of the optimizer's family (``DEFAULT_LR_SCALE``
-        for the moment family and an unknown class, ``NORMALISED_LR_SCALE`` for the normalised-update
-        family; the table: config_families.py), which the banner then names. Every adapter calls it once
-        on what it built, before check point 2; a given lr_scale always wins (mode 'auto': for its
-        'acco' candidate)."""
+    def for_optimizer(self, optimizer, lr_warmup_steps: Optional[int] = None) -> "AccoConfig":
+        """This config for the optimizer the adapter built (an instance or its class) and the LR warm-up's
+        length where the adapter knows it (``lr_warmup_steps``: the DeepSpeed scheduler block's,
+        :func:`.config_deepspeed.lr_warmup_steps`; None: unknown). Where the block does not set
+        ``estimate.lr_scale``, the default of the optimizer's family (``DEFAULT_LR_SCALE`` for the moment
+        family and an unknown class, ``NORMALISED_LR_SCALE`` for the normalised-update family; the table:
+        config_families.py); where it does not set ``sync_warmup_steps``, the normalised-update family in
+        mode 'acco' with fixed accumulation runs stock's schedule through the LR warm-up (0 where its
+        length is unknown); ``"sync_warmup_steps": "lr_warmup"`` becomes that length (refused where it is
+        unknown). The banner then names what came from where. Every adapter calls it once on what it built,
+        before check point 2; a given value always wins (mode 'auto': for its 'acco' candidate)."""
+        out = self
+        if self.sync_warmup_steps == "lr_warmup":
+            if lr_warmup_steps is None:
+                raise _refused("acco_lr_warmup_unknown", 'acco.sync_warmup_steps = "lr_warmup" but this run\'s LR '
+                               "warm-up is not known to ACCO (no DeepSpeed \"scheduler\" block of type WarmupLR, "
+                               "WarmupDecayLR or WarmupCosineLR with an integer warmup_num_steps); fix: set "
+                               "acco.sync_warmup_steps to the warm-up's number of optimizer steps")
+            out = self.model_copy(update={"sync_warmup_steps": lr_warmup_steps})
         if "acco" not in self.schedule_modes():
-            return self
+            return out
         family = family_of(optimizer)
-        default = NORMALISED_LR_SCALE if family.family == NORMALISED else DEFAULT_LR_SCALE
+        normalised = family.family == NORMALISED
+        default = NORMALISED_LR_SCALE if normalised else DEFAULT_LR_SCALE
         given = "lr_scale" in self.estimate.model_fields_set  # "paper" sets it too
         estimate = self.estimate if given else self.estimate.model_copy(update={"lr_scale": default})
-        out = self.model_copy(update={"estimate": estimate})
+        update = {"estimate": estimate}
+        warm = ""
+        if normalised and "sync_warmup_steps" not in self.model_fields_set and self.mode == "acco" \
+                and self.accumulation == "fixed":
+            update["sync_warmup_steps"] = lr_warmup_steps or 0
+            warm = (f", sync_warmup_steps {lr_warmup_steps} (the scheduler's LR warm-up) by default" if lr_warmup_steps
+                    else ", no synchronous warm-up (the LR warm-up is not known: set acco.sync_warmup_steps to "
+                    "its steps)")
+        out = out.model_copy(update=update)
         how = f"default lr_scale {default:g}, acco.estimate.lr_scale {estimate.lr_scale:g} as set" if given else \
             f"estimate lr_scale {default:g} by default"
-        out._family = (f"{family.words()}, {how} ({FAMILY_DOC})", default)
+        out._family = (f"{family.words()}, {how}{warm} ({FAMILY_DOC})", default)
         return out
 
     def estimate_in_banner(self) -> str:

@@ -158,3 +158,19 @@ def deepspeed_config_at(ds_config: dict, world_size: int):
         raise RuntimeError(f"could not check at data-parallel size {world_size}: this DeepSpeed's config parser "
                            f"used {ds.world_size}")
     return ds
+
+
+# DeepSpeed's schedulers with an LR warm-up ("scheduler": {"type": ...}); each makes it at least 2 steps.
+WARMUP_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+def lr_warmup_steps(scheduler_name: Optional[str], scheduler_params: Optional[Mapping[str, Any]]) -> Optional[int]:
+    """The LR warm-up's length in optimizer steps of DeepSpeed's ``"scheduler"`` block (its parsed
+    ``scheduler_name`` / ``scheduler_params``): ``warmup_num_steps`` of WarmupLR / WarmupDecayLR /
+    WarmupCosineLR (DeepSpeed's default 1000), at least 2 as those schedulers make it. None for any other
+    scheduler or none (a client scheduler: its warm-up is not known here), and for a value that is not an
+    integer yet (the HF Trainer fills ``"auto"`` before the engine is built)."""
+    if scheduler_name not in WARMUP_SCHEDULERS:
+        return None
+    n = (scheduler_params or {}).get("warmup_num_steps", 1000)
+    return max(2, n) if isinstance(n, int) and not isinstance(n, bool) else None

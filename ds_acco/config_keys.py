@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional
 
 import torch
 
+from .config_deepspeed import WARMUP_SCHEDULERS
 from .core.checks.refusals import check_schedule_compat, refuse
 
 KINDS = ("honoured", "refused", "replaced", "inherited", "irrelevant")
@@ -220,6 +221,9 @@ def check_deepspeed_compat(acco, ds) -> None:
     """Refuse the DeepSpeed settings ACCO does not honour (the ``refused`` rows of :data:`KEYS`), naming
     the key, the value and the fix. ``ds`` is DeepSpeed's parsed ``DeepSpeedConfig``."""
     check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
+    if acco.sync_warmup_steps == "lr_warmup" and ds.scheduler_name not in WARMUP_SCHEDULERS:
+        scheduler = f"scheduler.type = {ds.scheduler_name!r}" if ds.scheduler_name else 'no "scheduler" block'
+        raise refuse("acco_lr_warmup_unknown", f'acco.sync_warmup_steps = "lr_warmup" with {scheduler}')
     if getattr(ds, "gradient_allreduce_op", "mean") == "sum" and (acco.accumulation != "fixed"
                                                                  or acco.weighting != "micro_batch"):
         raise refuse("sum_not_fixed", f'gradient_allreduce_op = "sum" with accumulation = {acco.accumulation!r}, '

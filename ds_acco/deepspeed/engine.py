@@ -18,7 +18,7 @@ from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
 from ..config import AccoConfig, acco_config_of
-from ..config_deepspeed import load_ds_config, requested_layout
+from ..config_deepspeed import load_ds_config, lr_warmup_steps, requested_layout
 from ..config_keys import check_deepspeed_compat, replaced_keys
 from ..config_routing import note_opt_out, opted_out
 from ..core.checks.built import check_built
@@ -88,7 +88,9 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_layout = built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler)
 
     def _configure_zero_optimizer(self, optimizer):
-        cfg = self._acco_config = self._acco_config.for_optimizer(optimizer)  # the estimate's family default
+        # the estimate's and the synchronous warm-up's family defaults; "lr_warmup" made a number
+        warmup = lr_warmup_steps(self._config.scheduler_name, self._config.scheduler_params)
+        cfg = self._acco_config = self._acco_config.for_optimizer(optimizer, lr_warmup_steps=warmup)
         comm_dtype = self._config.communication_data_type  # explicit setting only; else G's dtype
 
         def build(init_optimizer, param_names, **kwargs):

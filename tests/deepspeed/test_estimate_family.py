@@ -3,7 +3,9 @@ per-optimizer-family): real DeepSpeed engines on 2 gloo ranks, each optimizer un
 paper's (lr_scale 1) and an explicit ``{"lr_scale": 2}``. Lion and transformers' Adafactor (normalised-update
 family) run the paper's estimate bit for bit by default, and lr_scale 2 when the config says so; AdamW
 (moment family) keeps lr_scale 2. Lion's runs are also checked against the float64 recurrence at lr × 1.
-Rank 0's start-up banner names the family and where its lr_scale came from."""
+Under a DeepSpeed warm-up scheduler the normalised-update family runs stock's schedule through the LR
+warm-up by default (``"sync_warmup_steps"`` of the scheduler's ``warmup_num_steps``), the moment family only
+when asked (``"lr_warmup"``). Rank 0's start-up banner names the family and where its defaults came from."""
 import pytest
 
 from dist import run_ranks
@@ -18,6 +20,16 @@ ESTIMATES = {"default": None, "paper": "paper", "la2": {"lr_scale": 2}}  # the J
 OPTIMIZERS = ("lion", "adafactor-hf", "adamw")
 CASES = [{"name": f"{opt}-{est}", "optimizer": opt, "estimate": value}
          for opt in OPTIMIZERS for est, value in ESTIMATES.items()]
+# The synchronous warm-up's family default: DeepSpeed's WarmupLR of 2 steps in the config (from half the
+# optimizers' rate 0.02), 5 steps run. Lion's cases ask for lr_scale 2: on this tiny net the paper's Lion
+# estimate lands on θ_{t+1} exactly (the half batch's update has the full batch's signs), so with it the
+# warm-up could change nothing; the warm-up's default does not depend on the estimate.
+WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear",
+                                                       "warmup_min_lr": 0.01}}}
+SYNC = {"default": None, "0": 0, "2": 2, "lr_warmup": "lr_warmup"}
+CASES += [{"name": f"{opt}-sched-sync-{k}", "optimizer": opt, "estimate": {"lion": {"lr_scale": 2}}.get(opt),
+           "extra": WARMUP,
+           "sync": v, "steps": 5} for opt in ("lion", "adamw") for k, v in SYNC.items()]
 DOC = "docs/estimate.md#the-default-per-optimizer-family"
 PAPER_KEY = '"estimate": "paper"'
 
@@ -28,12 +40,13 @@ def _train_with_banners(cases):
 
     out = {}
     for c in cases:
-        acco = {"enabled": True, "mode": "acco", **({"estimate": c["estimate"]} if c["estimate"] else {})}
+        acco = {"enabled": True, "mode": "acco", **({"estimate": c["estimate"]} if c["estimate"] else {}),
+                **({"sync_warmup_steps": c["sync"]} if c.get("sync") is not None else {})}
         handler = Lines()
         logger.addHandler(handler)
         try:
-            run = workers.train({"optimizer": c["optimizer"], "schedule": None, "steps": STEPS, "gas": GAS,
-                                 "acco": acco})
+            run = workers.train({"optimizer": c["optimizer"], "schedule": None, "steps": c.get("steps", STEPS), "gas": GAS,
+                                 "acco": acco, "extra": c.get("extra", {})})
         finally:
             logger.removeHandler(handler)
         out[c["name"]] = {"final": run["final"], "banner": [x for x in handler.lines if x.startswith("ACCO is on")]}
@@ -111,12 +124,40 @@ def test_the_banner_names_the_family_and_where_lr_scale_came_from(runs):
     tails = {n: r["banner"][0].split("synchronous=False; ", 1)[1] for n, r in runs.items() if len(r["banner"]) == 1}
     assert len(tails) == len(CASES), {n: r["banner"] for n, r in runs.items()}
     paper, la2 = f"estimate=the paper's ({PAPER_KEY})", f"estimate=look-ahead lr_scale=2, the paper's: {PAPER_KEY}"
-    assert tails["lion-default"] == f"Lion: normalised-update family, estimate lr_scale 1 by default ({DOC}); {paper}"
+    unknown = ", no synchronous warm-up (the LR warm-up is not known: set acco.sync_warmup_steps to its steps)"
+    assert tails["lion-default"] == (f"Lion: normalised-update family, estimate lr_scale 1 by default{unknown} "
+                                     f"({DOC}); {paper}")
     assert tails["lion-la2"] == (f"Lion: normalised-update family, default lr_scale 1, acco.estimate.lr_scale 2 as "
-                                 f"set ({DOC}); {la2}")
-    assert tails["adafactor-hf-default"] == (f"Adafactor: normalised-update family, estimate lr_scale 1 by default "
-                                             f"({DOC}); {paper}")
+                                 f"set{unknown} ({DOC}); {la2}")
+    assert tails["adafactor-hf-default"] == (f"Adafactor: normalised-update family, estimate lr_scale 1 by default"
+                                             f"{unknown} ({DOC}); {paper}")
     assert tails["adamw-default"] == (f"AdamW: moment family, estimate lr_scale 2 by default ({DOC}); "
                                       f"estimate=look-ahead lr_scale=2 (the default), the paper's: {PAPER_KEY}")
     assert tails["adamw-paper"] == (f"AdamW: moment family, default lr_scale 2, acco.estimate.lr_scale 1 as set "
                                     f"({DOC}); {paper}")
+
+
+def test_a_normalised_update_optimizer_runs_stock_through_the_schedulers_lr_warm_up_by_default(runs):
+    """Lion (lr_scale 2) with DeepSpeed's WarmupLR of 2 steps: by default the first 2 steps are stock's (the run of an
+    explicit ``"sync_warmup_steps": 2``, bit for bit), far from the run without the warm-up (0, the
+    default before); ``"lr_warmup"`` asks for the same 2 steps."""
+    final = {k: runs[f"lion-sched-sync-{k}"]["final"] for k in SYNC}
+    assert _equal(final["default"], final["2"]) and _equal(final["lr_warmup"], final["2"])
+    assert _apart(final["default"], final["0"]), "the warm-up changed nothing: the test could not tell"
+
+
+def test_a_moment_optimizer_keeps_no_synchronous_warm_up_unless_asked(runs):
+    """AdamW under the same scheduler: no warm-up by default (the explicit 0's run, bit for bit), and
+    ``"lr_warmup"`` gives the scheduler's 2 steps."""
+    final = {k: runs[f"adamw-sched-sync-{k}"]["final"] for k in SYNC}
+    assert _equal(final["default"], final["0"]) and _equal(final["lr_warmup"], final["2"])
+    assert _apart(final["default"], final["2"])
+
+
+def test_the_banner_names_the_warm_up_the_family_gave(runs):
+    tail = runs["lion-sched-sync-default"]["banner"][0].split("synchronous=False; ", 1)[1]
+    assert tail.startswith("Lion: normalised-update family, default lr_scale 1, acco.estimate.lr_scale 2 as set, "
+                           f"sync_warmup_steps 2 (the scheduler's LR warm-up) by default ({DOC})"), tail
+    tail = runs["lion-default"]["banner"][0]  # no DeepSpeed scheduler: the warm-up is not known
+    assert "no synchronous warm-up (the LR warm-up is not known: set acco.sync_warmup_steps to its steps)" in tail
+    assert "sync_warmup_steps" not in runs["adamw-sched-sync-default"]["banner"][0].split("synchronous=False; ")[1]

@@ -206,13 +206,17 @@ def trainer_run(case: dict) -> dict:
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
           **_acco_block(case)}
+    if case.get("ds_warmup_lr"):  # DeepSpeed's WarmupLR, its values filled by the Trainer (warmup_steps)
+        ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto"}}
     args = TrainingArguments(
         output_dir=case["out_dir"], deepspeed=ds, per_device_train_batch_size=2,
         gradient_accumulation_steps=case["gas"], learning_rate=case.get("lr", 3e-3), weight_decay=0.0,
         adam_beta2=0.99, max_grad_norm=0.0, lr_scheduler_type="linear", max_steps=case["steps"], logging_steps=1,
         save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps") or 1,
         save_only_model=False, eval_strategy="no", report_to=[], dataloader_num_workers=0, seed=0, data_seed=0,
-        disable_tqdm=True, use_cpu=True, **({"optim": case["optim"]} if case.get("optim") else {}))
+        disable_tqdm=True, use_cpu=True, warmup_steps=case.get("warmup_steps", 0),
+        **({"optim": case["optim"]} if case.get("optim") else {}))
     trainer = Recording(model=build_model(), args=args, train_dataset=_Rows(rows))
     trainer.train(resume_from_checkpoint=case.get("resume"))
     engine = trainer.model_wrapped
@@ -226,7 +230,8 @@ def trainer_run(case: dict) -> dict:
            "optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
            # the estimate's lr_scale the schedule runs (the optimizer family's default unless the block sets it)
            "estimate_lr_scale": getattr(getattr(getattr(engine.optimizer, "schedule", None), "context", None),
-                                        "estimate_lr_scale", None)}
+                                        "estimate_lr_scale", None),
+           "sync_warmup_steps": getattr(getattr(engine, "_acco_config", None), "sync_warmup_steps", None)}
     if hasattr(engine, "destroy"):
         engine.destroy()
     return out

@@ -205,3 +205,22 @@ def test_a_block_with_an_unknown_key_and_an_invalid_value_is_refused_as_the_unkn
             AccoConfig.from_block(block)
         assert caught.value.refusal == "acco_unknown_key" and caught.value.row is REFUSALS["acco_unknown_key"]
         assert "unknown key" in str(caught.value) and "fix: set a valid value" in str(caught.value)
+
+
+def test_the_lr_warm_up_is_read_from_deepspeeds_warm_up_schedulers_only():
+    """What ``"sync_warmup_steps": "lr_warmup"`` and the normalised family's default read: DeepSpeed's
+    warmup_num_steps (its default 1000, at least 2 as its schedulers make it); nothing for another or no
+    scheduler, nor for a value the HF Trainer has not filled yet."""
+    from ds_acco.config_deepspeed import lr_warmup_steps
+    assert lr_warmup_steps("WarmupCosineLR", {"warmup_num_steps": 15, "total_num_steps": 300}) == 15
+    assert lr_warmup_steps("WarmupDecayLR", {"warmup_num_steps": 1}) == 2
+    assert lr_warmup_steps("WarmupLR", {}) == 1000 and lr_warmup_steps("WarmupLR", None) == 1000
+    assert lr_warmup_steps("WarmupLR", {"warmup_num_steps": "auto"}) is None
+    assert lr_warmup_steps("OneCycle", {"cycle_first_step_size": 10}) is None and lr_warmup_steps(None, None) is None
+
+
+def test_sync_warmup_steps_takes_a_count_or_lr_warmup_and_names_both_when_refused():
+    assert AccoConfig.from_block({"enabled": True, "sync_warmup_steps": "lr_warmup"}).sync_warmup_steps == "lr_warmup"
+    for bad in ("lr", -1, 1.5, True):
+        with pytest.raises(ValueError, match=r'acco.sync_warmup_steps = .*an integer, 0 or more\) or "lr_warmup"'):
+            AccoConfig.from_block({"enabled": True, "sync_warmup_steps": bad})

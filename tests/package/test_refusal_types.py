@@ -73,6 +73,7 @@ TRIGGERS = {
     "acco_no_effect": _initialize(acco={"enabled": True, "dynamic": {"min_micro_batches": 2}}),
     "acco_sigterm_checkpoint_dir": _initialize(acco={"enabled": True, "sigterm": "checkpoint"}),
     "acco_sync_warmup_not_fixed": _initialize(acco={**DYN, "sync_warmup_steps": 2}),
+    "acco_lr_warmup_unknown": _initialize(acco={"enabled": True, "sync_warmup_steps": "lr_warmup"}),
     "acco_dynamic_bounds": _initialize(acco={**DYN, "dynamic": {"min_micro_batches": 4, "max_micro_batches": 2}}),
     # the layout the caller asks for (check point 1, before any process group)
     "pipeline_parallel": _initialize(mpu=FakeMPU(pp=2)),
