@@ -213,9 +213,10 @@ class AccoConfig(BaseModel):
         if self.sync_warmup_steps == "lr_warmup":
             if lr_warmup_steps is None:
                 raise _refused("acco_lr_warmup_unknown", 'acco.sync_warmup_steps = "lr_warmup" but this run\'s LR '
-                               "warm-up is not known to ACCO (no DeepSpeed \"scheduler\" block of type WarmupLR, "
-                               "WarmupDecayLR or WarmupCosineLR with an integer warmup_num_steps); fix: set "
-                               "acco.sync_warmup_steps to the warm-up's number of optimizer steps")
+                               "warm-up is not known to ACCO (DeepSpeed runs no \"scheduler\" block of type "
+                               "WarmupLR, WarmupDecayLR or WarmupCosineLR with an integer warmup_num_steps: a client "
+                               "lr_scheduler, another type, none, or an adapter without DeepSpeed's schedulers); fix: "
+                               "set acco.sync_warmup_steps to the warm-up's number of optimizer steps")
             out = self.model_copy(update={"sync_warmup_steps": lr_warmup_steps})
         if "acco" not in self.schedule_modes():
             return out
@@ -225,7 +226,8 @@ class AccoConfig(BaseModel):
         given = "lr_scale" in self.estimate.model_fields_set  # "paper" sets it too
         estimate = self.estimate if given else self.estimate.model_copy(update={"lr_scale": default})
         update = {"estimate": estimate}
-        warm = ""
+        warm = (f', sync_warmup_steps {lr_warmup_steps} ("lr_warmup": the scheduler\'s LR warm-up)'
+                if self.sync_warmup_steps == "lr_warmup" else "")
         if normalised and "sync_warmup_steps" not in self.model_fields_set and self.mode == "acco" \
                 and self.accumulation == "fixed":
             update["sync_warmup_steps"] = lr_warmup_steps or 0

@@ -174,3 +174,12 @@ def lr_warmup_steps(scheduler_name: Optional[str], scheduler_params: Optional[Ma
         return None
     n = (scheduler_params or {}).get("warmup_num_steps", 1000)
     return max(2, n) if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def configured_lr_warmup(ds: Any, client_lr_scheduler: Any = None) -> Optional[int]:
+    """The LR warm-up of the scheduler DeepSpeed will run for parsed config ``ds`` (a ``DeepSpeedConfig``):
+    :func:`lr_warmup_steps` of its ``"scheduler"`` block, but None where the caller passed a client
+    ``lr_scheduler`` (an object or a callable): DeepSpeed runs that one and ignores the block."""
+    if client_lr_scheduler:  # DeepSpeed's own test (engine._configure_lr_scheduler)
+        return None
+    return lr_warmup_steps(getattr(ds, "scheduler_name", None), getattr(ds, "scheduler_params", None))

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional
 
 import torch
 
-from .config_deepspeed import WARMUP_SCHEDULERS
+from .config_deepspeed import configured_lr_warmup
 from .core.checks.refusals import check_schedule_compat, refuse
 
 KINDS = ("honoured", "refused", "replaced", "inherited", "irrelevant")
@@ -217,12 +217,15 @@ def replaced_keys(raw: Mapping[str, Any]) -> List[str]:
             and value(k) != _deepspeed_default(k)]
 
 
-def check_deepspeed_compat(acco, ds) -> None:
+def check_deepspeed_compat(acco, ds, client_lr_scheduler: Any = None) -> None:
     """Refuse the DeepSpeed settings ACCO does not honour (the ``refused`` rows of :data:`KEYS`), naming
-    the key, the value and the fix. ``ds`` is DeepSpeed's parsed ``DeepSpeedConfig``."""
+    the key, the value and the fix. ``ds`` is DeepSpeed's parsed ``DeepSpeedConfig``;
+    ``client_lr_scheduler`` the ``lr_scheduler`` the caller passed to ``initialize``, if any."""
     check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
-    if acco.sync_warmup_steps == "lr_warmup" and ds.scheduler_name not in WARMUP_SCHEDULERS:
-        scheduler = f"scheduler.type = {ds.scheduler_name!r}" if ds.scheduler_name else 'no "scheduler" block'
+    if acco.sync_warmup_steps == "lr_warmup" and configured_lr_warmup(ds, client_lr_scheduler) is None:
+        scheduler = ("a client lr_scheduler passed to initialize (DeepSpeed runs it, not the config's "
+                     "\"scheduler\")" if client_lr_scheduler else
+                     f"scheduler.type = {ds.scheduler_name!r}" if ds.scheduler_name else 'no "scheduler" block')
         raise refuse("acco_lr_warmup_unknown", f'acco.sync_warmup_steps = "lr_warmup" with {scheduler}')
     if getattr(ds, "gradient_allreduce_op", "mean") == "sum" and (acco.accumulation != "fixed"
                                                                  or acco.weighting != "micro_batch"):

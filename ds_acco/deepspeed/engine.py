@@ -18,7 +18,7 @@ from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import logger
 
 from ..config import AccoConfig, acco_config_of
-from ..config_deepspeed import load_ds_config, lr_warmup_steps, requested_layout
+from ..config_deepspeed import configured_lr_warmup, load_ds_config, requested_layout
 from ..config_keys import check_deepspeed_compat, replaced_keys
 from ..config_routing import note_opt_out, opted_out
 from ..core.checks.built import check_built
@@ -89,7 +89,7 @@ class AccoEngine(DeepSpeedEngine):
 
     def _configure_zero_optimizer(self, optimizer):
         # the estimate's and the synchronous warm-up's family defaults; "lr_warmup" made a number
-        warmup = lr_warmup_steps(self._config.scheduler_name, self._config.scheduler_params)
+        warmup = configured_lr_warmup(self._config, self.client_lr_scheduler)
         cfg = self._acco_config = self._acco_config.for_optimizer(optimizer, lr_warmup_steps=warmup)
         comm_dtype = self._config.communication_data_type  # explicit setting only; else G's dtype
 
@@ -377,7 +377,7 @@ def initialize(args: Any = None, model=None, *pos, config: Any = None, config_pa
         # Check point 1, the rest: the same config as DeepSpeed parsed it (every key classified in
         # config_keys), before the engine is built. deepspeed.initialize always passes config_class.
         if kw.get("config_class") is not None:
-            check_deepspeed_compat(acco, kw["config_class"])
+            check_deepspeed_compat(acco, kw["config_class"], kw.get("lr_scheduler"))
         return AccoEngine(*a, acco_config=acco, **kw)
 
     with _substituted(deepspeed, "DeepSpeedEngine", build):

@@ -30,6 +30,9 @@ SYNC = {"default": None, "0": 0, "2": 2, "lr_warmup": "lr_warmup"}
 CASES += [{"name": f"{opt}-sched-sync-{k}", "optimizer": opt, "estimate": {"lion": {"lr_scale": 2}}.get(opt),
            "extra": WARMUP,
            "sync": v, "steps": 5} for opt in ("lion", "adamw") for k, v in SYNC.items()]
+# A client lr_scheduler beside the same block: DeepSpeed runs the client's, so the block's warm-up is not read.
+CASES += [{"name": f"lion-client-sched-sync-{k}", "optimizer": "lion", "estimate": {"lr_scale": 2}, "extra": WARMUP,
+           "schedule": "lambda", "sync": v, "steps": 5} for k, v in (("default", None), ("0", 0), ("2", 2))]
 DOC = "docs/estimate.md#the-default-per-optimizer-family"
 PAPER_KEY = '"estimate": "paper"'
 
@@ -45,7 +48,7 @@ def _train_with_banners(cases):
         handler = Lines()
         logger.addHandler(handler)
         try:
-            run = workers.train({"optimizer": c["optimizer"], "schedule": None, "steps": c.get("steps", STEPS), "gas": GAS,
+            run = workers.train({"optimizer": c["optimizer"], "schedule": c.get("schedule"), "steps": c.get("steps", STEPS), "gas": GAS,
                                  "acco": acco, "extra": c.get("extra", {})})
         finally:
             logger.removeHandler(handler)
@@ -161,3 +164,11 @@ def test_the_banner_names_the_warm_up_the_family_gave(runs):
     tail = runs["lion-default"]["banner"][0]  # no DeepSpeed scheduler: the warm-up is not known
     assert "no synchronous warm-up (the LR warm-up is not known: set acco.sync_warmup_steps to its steps)" in tail
     assert "sync_warmup_steps" not in runs["adamw-sched-sync-default"]["banner"][0].split("synchronous=False; ")[1]
+
+
+def test_a_client_scheduler_beside_the_block_gives_no_warm_up_by_default(runs):
+    """Lion with a client LambdaLR and the config's WarmupLR: DeepSpeed runs the client's, whose warm-up
+    ACCO does not know; the default runs none (the explicit 0's run, apart from an explicit 2's) and says so."""
+    final = {k: runs[f"lion-client-sched-sync-{k}"]["final"] for k in ("default", "0", "2")}
+    assert _equal(final["default"], final["0"]) and _apart(final["default"], final["2"])
+    assert "no synchronous warm-up (the LR warm-up is not known" in runs["lion-client-sched-sync-default"]["banner"][0]

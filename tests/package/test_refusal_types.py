@@ -225,3 +225,16 @@ def test_no_refusal_is_a_bare_value_error():
     assert not bare, "refusals outside the table (make them rows raised via refuse()):\n" + "\n".join(bare)
     used = {(f, start) for f, start in PLAIN_INPUT for p, _, text in found if p == f and text.startswith(start)}
     assert used == set(PLAIN_INPUT), f"stale PLAIN_INPUT entries: {set(PLAIN_INPUT) - used}"
+
+
+def test_lr_warmup_is_refused_when_a_client_scheduler_replaces_the_configs():
+    """DeepSpeed runs a client ``lr_scheduler`` and ignores the config's "scheduler" block: the block's
+    warm-up is not this run's, so ``"lr_warmup"`` is refused (naming the client scheduler), not read from it."""
+    net = TinyNet(seed=0)
+    opt = make_optimizer("sgd")(net)
+    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}
+    cfg = ds_config(4, {"enabled": True, "sync_warmup_steps": "lr_warmup"}, scheduler=warmup)
+    with pytest.raises(AccoRefusal, match="client lr_scheduler passed to initialize") as err:
+        ds_acco.initialize(model=net, optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                           config=cfg)
+    assert err.value.refusal == "acco_lr_warmup_unknown"

@@ -119,7 +119,8 @@ _ROWS = (
             "use \"accumulation\": \"fixed\" or remove sync_warmup_steps"),
     Refusal("acco_lr_warmup_unknown", "acco.sync_warmup_steps \"lr_warmup\" without a DeepSpeed warm-up scheduler",
             "\"lr_warmup\" reads warmup_num_steps from the config's \"scheduler\" block (WarmupLR, WarmupDecayLR, "
-            "WarmupCosineLR); a client or other scheduler's warm-up is not known to ACCO",
+            "WarmupCosineLR) where DeepSpeed runs it (no client lr_scheduler passed); a client or other scheduler's "
+            "warm-up is not known to ACCO",
             "set sync_warmup_steps to the warm-up's number of optimizer steps"),
     Refusal("acco_dynamic_bounds", "acco.dynamic.max_micro_batches below min_micro_batches",
             "no phase length fits between them", "raise max_micro_batches or lower min_micro_batches"),
