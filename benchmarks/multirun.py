@@ -61,6 +61,8 @@ VARIANTS = {
     "keep_v": Variant("keep_v", keep_v=True),
     "dc": Variant("dc", dc=2.0),
     "warm": Variant("warm", warm=-1),  # -1: the schedule's warm-up steps
+    "warm20": Variant("warm20", warm=20),  # longer synchronous starts (issue 43 item 4: the normalised families)
+    "warm40": Variant("warm40", warm=40),
     "la1.5": Variant("la1.5", lr_scale=1.5),
     "la2": Variant("la2", lr_scale=2.0),
     # the look-ahead with stock's schedule through the LR warm-up: the simulator's form of the library's
