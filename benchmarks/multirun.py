@@ -12,7 +12,8 @@ A run's variant (per-run tensors, so every run of a group advances in the same k
                instead of updating it with the half-batch gradient (paper's update at t = 0)
   dc λ         the commit's first-half gradients compensated for their delay (DC-ASGD-a, its
                Hessian's diagonal g ⊙ g scaled by the committed RMS): ḡ̃ + λ ḡ̃ ⊙ ḡ̃ ⊙ (θ_t − θ̃_t) / (√v̂_t + ε)
-  warm K       the first K steps run stock's schedule (-1: the LR warm-up's steps)
+  warm K       the first K steps run stock's schedule, then ACCO from θ_K with θ̃_K = θ_K: the library's
+               "sync_warmup_steps": K (-1: the LR warm-up's steps)
 
 One-round variants (issue 42; docs/estimate.md, "One round per step: the predictors"): one commit
 round per step, hidden behind the whole next step; the whole batch of step t is computed at a point
@@ -290,7 +291,10 @@ def run_group(setting: Setting, runs: List[tuple], device="cpu", log=None, trace
 
     for t in range(s.steps):
         lr = lrs[t]
-        sync = stock | (warm > t)  # [R]: this step runs stock's schedule
+        # [R]: this step's first half at θ_t: stock; the K steps of a warm-up and step K, where ACCO starts
+        # from θ_K with θ̃_K = θ_K (the library's "sync_warmup_steps": K, pinned by tests/benchmarks/test_multirun.py;
+        # in records made at b36ce2e or before, step K's first half was at the estimate of step K-1: the library's K-1)
+        sync = stock | (warm >= t)
         first_at = {n: torch.where(_bc(sync, theta[n]), theta[n], est[n]) for n in names}
         g1, _ = st.grads_at(first_at, data[:, t, 0])
         # one-round runs: the second half too at P_t (est holds it)

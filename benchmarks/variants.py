@@ -95,9 +95,12 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
     every_mode = variant == "auto_all"
     variant = mode_of(variant)
     cfg = copy.deepcopy(base)
-    # The base config's estimate variant (docs/estimate.md) applies to every variant with an estimate
-    estimate = "paper" if paper else (cfg.pop("acco", None) or {}).get("estimate")
-    cfg.pop("acco", None)
+    # The base config's estimate variant (docs/estimate.md) applies to every variant with an estimate, its
+    # synchronous warm-up (sync_warmup_steps) to every variant that can run one (fixed accumulation, mode
+    # acco or one_round); the rest of its acco block is the variant's
+    block = cfg.pop("acco", None) or {}
+    estimate = "paper" if paper else block.get("estimate")
+    warmup = block.get("sync_warmup_steps")
     cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
     cfg["gradient_accumulation_steps"] = spec["gas"]
     cfg.pop("train_batch_size", None)
@@ -130,6 +133,8 @@ def variant_config(base: dict, variant: str, spec: dict) -> dict:
         raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
     if estimate is not None and cfg["acco"]["mode"] in ("acco", "auto"):
         cfg["acco"]["estimate"] = estimate
+    if warmup is not None and cfg["acco"]["mode"] in ("acco", "one_round") and cfg["acco"]["accumulation"] == "fixed":
+        cfg["acco"]["sync_warmup_steps"] = warmup
     return cfg
 
 

@@ -380,6 +380,12 @@ def test_variant_configs_differ_only_in_the_acco_block():
     assert cfgs["fixed_paper"]["acco"] == dict(cfgs["fixed"]["acco"], estimate="paper")
     la = variants.variant_config(dict(base, acco={"estimate": {"lr_scale": 1.5}}), "fixed_paper", spec)
     assert la["acco"]["estimate"] == "paper" and variants.mode_of("fixed_paper") == "fixed"
+    # the base block's synchronous warm-up reaches the variants that can run one, and only those
+    warm = {v: variants.variant_config(dict(base, acco={"sync_warmup_steps": "lr_warmup"}), v, spec)
+            for v in ("fixed", "fixed_paper", "one_round", "dpu", "auto", "dynamic", "shared", "stock")}
+    assert {v: c.get("acco", {}).get("sync_warmup_steps") for v, c in warm.items()} == {
+        "fixed": "lr_warmup", "fixed_paper": "lr_warmup", "one_round": "lr_warmup", "dpu": None, "auto": None,
+        "dynamic": None, "shared": None, "stock": None}
     assert cfgs["dpu"]["acco"]["mode"] == "dpu"
     assert cfgs["dynamic"]["acco"]["dynamic"]["min_micro_batches"] == 8
     assert "lr_scaling" not in cfgs["dynamic"]["acco"]["dynamic"]
