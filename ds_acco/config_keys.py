@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional
 
 import torch
 
-from .config_deepspeed import configured_lr_warmup
+from .config_deepspeed import WARMUP_SCHEDULERS
 from .core.checks.refusals import check_schedule_compat, refuse
 
 KINDS = ("honoured", "refused", "replaced", "inherited", "irrelevant")
@@ -217,16 +217,26 @@ def replaced_keys(raw: Mapping[str, Any]) -> List[str]:
             and value(k) != _deepspeed_default(k)]
 
 
+def check_lr_warmup(acco, scheduler_name: Optional[str], client_lr_scheduler: Any = None) -> None:
+    """Refuse ``"sync_warmup_steps": "lr_warmup"`` where the run's LR warm-up cannot be read: no DeepSpeed
+    warm-up scheduler in the config (``scheduler_name``: its ``"scheduler"`` block's type), or a client
+    ``lr_scheduler``, which DeepSpeed runs instead of the block. Check point 1 runs it on the raw config, before
+    any process group; the warm-up's value itself (an integer once the HF Trainer fills ``"auto"``) is read when
+    the engine builds its optimizer."""
+    if acco.sync_warmup_steps != "lr_warmup" or (scheduler_name in WARMUP_SCHEDULERS and not client_lr_scheduler):
+        return
+    scheduler = ("a client lr_scheduler passed to initialize (DeepSpeed runs it, not the config's \"scheduler\")"
+                 if client_lr_scheduler else f"scheduler.type = {scheduler_name!r}" if scheduler_name
+                 else 'no "scheduler" block')
+    raise refuse("acco_lr_warmup_unknown", f'acco.sync_warmup_steps = "lr_warmup" with {scheduler}')
+
+
 def check_deepspeed_compat(acco, ds, client_lr_scheduler: Any = None) -> None:
     """Refuse the DeepSpeed settings ACCO does not honour (the ``refused`` rows of :data:`KEYS`), naming
     the key, the value and the fix. ``ds`` is DeepSpeed's parsed ``DeepSpeedConfig``;
     ``client_lr_scheduler`` the ``lr_scheduler`` the caller passed to ``initialize``, if any."""
     check_schedule_compat(acco, ds.gradient_accumulation_steps, ds.float16_config)
-    if acco.sync_warmup_steps == "lr_warmup" and configured_lr_warmup(ds, client_lr_scheduler) is None:
-        scheduler = ("a client lr_scheduler passed to initialize (DeepSpeed runs it, not the config's "
-                     "\"scheduler\")" if client_lr_scheduler else
-                     f"scheduler.type = {ds.scheduler_name!r}" if ds.scheduler_name else 'no "scheduler" block')
-        raise refuse("acco_lr_warmup_unknown", f'acco.sync_warmup_steps = "lr_warmup" with {scheduler}')
+    check_lr_warmup(acco, ds.scheduler_name, client_lr_scheduler)
     if getattr(ds, "gradient_allreduce_op", "mean") == "sum" and (acco.accumulation != "fixed"
                                                                  or acco.weighting != "micro_batch"):
         raise refuse("sum_not_fixed", f'gradient_allreduce_op = "sum" with accumulation = {acco.accumulation!r}, '

@@ -227,9 +227,14 @@ def test_no_refusal_is_a_bare_value_error():
     assert used == set(PLAIN_INPUT), f"stale PLAIN_INPUT entries: {set(PLAIN_INPUT) - used}"
 
 
-def test_lr_warmup_is_refused_when_a_client_scheduler_replaces_the_configs():
+def test_lr_warmup_is_refused_when_a_client_scheduler_replaces_the_configs(monkeypatch):
     """DeepSpeed runs a client ``lr_scheduler`` and ignores the config's "scheduler" block: the block's
     warm-up is not this run's, so ``"lr_warmup"`` is refused (naming the client scheduler), not read from it."""
+    from ds_acco.deepspeed import engine
+
+    def no_process_group(*a, **k):  # check point 1 must refuse before the ranks' agreement binds a port
+        raise AssertionError("the process group was started before the refusal")
+    monkeypatch.setattr(engine, "check_ranks_agree", no_process_group)
     net = TinyNet(seed=0)
     opt = make_optimizer("sgd")(net)
     warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}
