@@ -231,6 +231,13 @@ def check_lr_warmup(acco, scheduler_name: Optional[str], client_lr_scheduler: An
     raise refuse("acco_lr_warmup_unknown", f'acco.sync_warmup_steps = "lr_warmup" with {scheduler}')
 
 
+def check_requested_lr_warmup(acco, raw: Optional[Mapping[str, Any]], client_lr_scheduler: Any = None) -> None:
+    """:func:`check_lr_warmup` at check point 1, on the raw config the caller passed (its "scheduler" block)."""
+    scheduler = (raw or {}).get("scheduler")
+    if acco.enabled:
+        check_lr_warmup(acco, scheduler.get("type") if isinstance(scheduler, Mapping) else None, client_lr_scheduler)
+
+
 def check_deepspeed_compat(acco, ds, client_lr_scheduler: Any = None) -> None:
     """Refuse the DeepSpeed settings ACCO does not honour (the ``refused`` rows of :data:`KEYS`), naming
     the key, the value and the fix. ``ds`` is DeepSpeed's parsed ``DeepSpeedConfig``;

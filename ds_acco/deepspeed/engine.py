@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import deepspeed
 import deepspeed.runtime.engine as ds_engine_module
@@ -19,7 +19,7 @@ from deepspeed.utils import logger
 
 from ..config import AccoConfig, acco_config_of
 from ..config_deepspeed import configured_lr_warmup, load_ds_config, requested_layout
-from ..config_keys import check_deepspeed_compat, check_lr_warmup, replaced_keys
+from ..config_keys import check_deepspeed_compat, check_requested_lr_warmup, replaced_keys
 from ..config_routing import note_opt_out, opted_out
 from ..core.checks.built import check_built
 from ..core.checks.refusals import check_layout, refuse, under_caller_boundary
@@ -88,8 +88,7 @@ class AccoEngine(DeepSpeedEngine):
         self._acco_layout = built_layout(self, model, self._acco_client_mpu, self.client_lr_scheduler)
 
     def _configure_zero_optimizer(self, optimizer):
-        # the estimate's and the synchronous warm-up's family defaults; "lr_warmup" made a number
-        warmup = configured_lr_warmup(self._config, self.client_lr_scheduler)
+        warmup = configured_lr_warmup(self._config, self.client_lr_scheduler)  # family defaults, "lr_warmup"
         cfg = self._acco_config = self._acco_config.for_optimizer(optimizer, lr_warmup_steps=warmup)
         comm_dtype = self._config.communication_data_type  # explicit setting only; else G's dtype
 
@@ -391,10 +390,7 @@ def _check_requested(acco: AccoConfig, raw, model, kwargs: dict) -> None:
     (check point 2: the layout of its groups, its optimizer)."""
     check_layout(acco, requested_layout(raw, kwargs.get("mpu"), model, kwargs.get("lr_scheduler"),
                                         kwargs.get("mesh_param")))
-    if acco.enabled:  # before the ranks' agreement, which starts the process group
-        scheduler = (raw or {}).get("scheduler")
-        check_lr_warmup(acco, scheduler.get("type") if isinstance(scheduler, Mapping) else None,
-                        kwargs.get("lr_scheduler"))
+    check_requested_lr_warmup(acco, raw, kwargs.get("lr_scheduler"))  # before the ranks' agreement starts a group
     check_ranks_agree(acco, raw, kwargs)
     if not acco.enabled:
         return
