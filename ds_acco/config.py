@@ -200,8 +200,8 @@ class AccoConfig(BaseModel):
 
     def for_optimizer(self, optimizer, lr_warmup_steps: Optional[int] = None) -> "AccoConfig":
         """This config for the optimizer the adapter built (an instance or its class) and the LR warm-up's
-        length where the adapter knows it (``lr_warmup_steps``: the DeepSpeed scheduler block's,
-        :func:`.config_deepspeed.lr_warmup_steps`; None: unknown). Where the block does not set
+        length where the adapter knows it (``lr_warmup_steps``: that of the scheduler DeepSpeed runs,
+        :func:`.config_deepspeed.configured_lr_warmup`; None: unknown). Where the block does not set
         ``estimate.lr_scale``, the default of the optimizer's family (``DEFAULT_LR_SCALE`` for the moment
         family and an unknown class, ``NORMALISED_LR_SCALE`` for the normalised-update family; the table:
         config_families.py); where it does not set ``sync_warmup_steps``, the normalised-update family in
