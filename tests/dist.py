@@ -64,6 +64,48 @@ def rendezvous_store(world: int) -> Iterator[dict]:
         del store
 
 
+@contextlib.contextmanager
+def solo_world() -> Iterator[None]:
+    """A one-rank job's environment for code under test that initialises torch.distributed in this
+    process (``deepspeed.init_distributed``, as ``ds_acco.initialize`` does before its ranks'
+    agreement): the store is :func:`rendezvous_store`'s, bound on port 0 here. Without it DeepSpeed
+    discovers a one-rank MPI world and binds port 29500, which a test in another pytest-xdist worker
+    may hold at that moment (EADDRINUSE). The environment and any group started inside are undone."""
+    import torch.distributed as dist
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                            "TORCHELASTIC_USE_AGENT_STORE")}
+    try:
+        with rendezvous_store(1) as env:
+            os.environ.update({**env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+            try:
+                yield
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def port_busy(port: int) -> Iterator[None]:
+    """``port`` in use for the ``with`` block, on every address: listened on here, or already held
+    by another process (then it is busy anyway). A test that must not bind a fixed port runs inside."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(("0.0.0.0", port))
+            sock.listen(1)
+        except OSError:
+            pass  # held by someone else: busy all the same
+        yield
+    finally:
+        sock.close()
+
+
 def settled_thread_count() -> int:
     """This process's OS threads (Python's and those C++ libraries start, e.g. a gloo group's
     workers), counted once the count has not changed for 100 ms (at most ~3 s): a joined Python

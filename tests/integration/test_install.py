@@ -12,6 +12,7 @@ import importlib
 
 install_mod = importlib.import_module("ds_acco.install")  # the module: ds_acco.install is also the function
 from ds_acco.install import install, installed, uninstall
+from dist import port_busy, solo_world
 
 ACCO_ON = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
            "zero_optimization": {"stage": 1}, "acco": {"enabled": True}}
@@ -35,13 +36,16 @@ class FakeInitialize:
 
 @pytest.fixture
 def fake():
-    """A fake original installed under deepspeed.initialize; everything restored afterwards."""
+    """A fake original installed under deepspeed.initialize; everything restored afterwards. An
+    enabled block runs ds_acco's ranks' agreement for real (a one-rank group, on a store of
+    :func:`dist.solo_world`, not DeepSpeed's default port 29500)."""
     uninstall()
     real = deepspeed.initialize
     f = FakeInitialize()
     deepspeed.initialize = f
     try:
-        yield f
+        with port_busy(29500), solo_world():  # DeepSpeed's default port busy, as when another job holds it
+            yield f
     finally:
         uninstall()
         deepspeed.initialize = real
