@@ -7,6 +7,7 @@ ds_acco; the config has an enabled ``"acco"`` block, which stock DeepSpeed ignor
 """
 import json
 import os
+import re
 import sys
 import sysconfig
 
@@ -37,8 +38,9 @@ def _run(label, cmd):
     return _result(label, cmd, out, proc.returncode, timed_out)
 
 
-def _result(label, cmd, out, rc, timed_out):
-    assert not timed_out and rc == 0, f"{label}: rc={rc}\n{' '.join(cmd)}\n{tail(out)}"
+def _result(label, cmd, out, rc, timed_out, stock=False):
+    ok = rc == 0 or (stock and stock_exit_abort(out))
+    assert not timed_out and ok, f"{label}: rc={rc}\n{' '.join(cmd)}\n{tail(out)}"
     results = [json.loads(line[line.index(TAG) + len(TAG):]) for line in out.splitlines() if TAG in line]
     assert len(results) == 1, f"{label}: expected one {TAG.strip()} line\n{tail(out)}"
     return results[0], out
@@ -60,6 +62,50 @@ def test_run_under_deepspeed_launcher_module_mode(tmp_path):
     assert out.count(BANNER) == 1, tail(out)
 
 
+def stock_exit_abort(out: str) -> bool:
+    """Whether torchrun's output is stock DeepSpeed's own exit abort on gloo and nothing else: the
+    job trained and printed its result, then a rank aborted at interpreter exit (``terminate called
+    without an active exception``, SIGABRT; the other rank SIGTERMed by torchrun). A gloo worker of
+    a group stock keeps alive past exit frees the last all-gather's tensor while Python finalises
+    (docs/limitations.md, "Stock's own exit abort": 4 of 148 stock runs of this script under load).
+    The stock run is the baseline here, not the subject: its exit is tests/integration/test_exit.py's."""
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
+    return (TAG in out and "terminate called without an active exception" in out and -6 in codes
+            and set(codes) <= {-6, -15} and out.count("Traceback (most recent call last)") <= 1)  # torchrun's own
+
+
+# The end of a real stock run of this test that aborted at exit (this machine, 2026-12-06), trimmed.
+_STOCK_ABORT = """PLAIN_RESULT {"engine": "DeepSpeedEngine", "optimizer": "DeepSpeedZeroOptimizer", "global_steps": 2}
+terminate called without an active exception
+W1206 19:40:34.951000 19550 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 19568 closing signal SIGTERM
+E1206 19:40:35.024000 19550 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 0 (pid: 19567) of binary: python
+Traceback (most recent call last):
+  File "torchrun", line 6, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 19568)  (SIGTERM)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 19567)  (SIGABRT)
+"""
+
+
+def test_only_stocks_exit_abort_is_forgiven():
+    """The stock baseline's exit abort is recognised, and nothing near it: a rank's own traceback, an
+    exit code other than SIGABRT's, no result, or a plain failure are still failures."""
+    assert stock_exit_abort(_STOCK_ABORT)
+    rank_error = _STOCK_ABORT.replace("terminate called", "[rank1]: Traceback (most recent call last):\n"
+                                      "[rank1]: RuntimeError: boom\nterminate called")
+    assert not stock_exit_abort(rank_error)
+    assert not stock_exit_abort(_STOCK_ABORT.replace("exitcode  : -15", "exitcode  : 1"))
+    assert not stock_exit_abort(_STOCK_ABORT.replace(TAG, "no result "))
+    assert not stock_exit_abort(_STOCK_ABORT.replace("terminate called without an active exception", ""))
+    assert not stock_exit_abort(_STOCK_ABORT.replace("-6", "-11"))  # a segfault is not this
+
+
 def _without_site_env() -> dict:
     """The ranks start with ``python -S``: no ``.pth`` of site-packages runs, so ds_acco's guard (which
     an installed ds_acco, editable or not, arms at start-up and which refuses this launch) is absent,
@@ -73,7 +119,7 @@ def test_without_ds_acco_the_script_is_stock(tmp_path):
     cmd = torchrun_cmd("--no-python", sys.executable, "-S", SCRIPT, "--deepspeed", _config(tmp_path))
     proc = start(cmd, _without_site_env())
     out, timed_out = communicate(proc, TIMEOUT_S)
-    res, out = _result("torchrun (stock, python -S)", cmd, out, proc.returncode, timed_out)
+    res, out = _result("torchrun (stock, python -S)", cmd, out, proc.returncode, timed_out, stock=True)
     assert (res["engine"], res["optimizer"]) == ("DeepSpeedEngine", "DeepSpeedZeroOptimizer")
     assert res["global_steps"] == 2
     assert "ACCO is on" not in out
