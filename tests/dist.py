@@ -70,8 +70,10 @@ def solo_world() -> Iterator[None]:
     process (``deepspeed.init_distributed``, as ``ds_acco.initialize`` does before its ranks'
     agreement): the store is :func:`rendezvous_store`'s, bound on port 0 here. Without it DeepSpeed
     discovers a one-rank MPI world and binds port 29500, which a test in another pytest-xdist worker
-    may hold at that moment (EADDRINUSE). The environment and any group started inside are undone."""
+    may hold at that moment (EADDRINUSE). The environment is restored and a group started inside is
+    destroyed; a group already there on entry (another test's) is used as is and left alone."""
     import torch.distributed as dist
+    started_here = not dist.is_initialized()
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                                             "TORCHELASTIC_USE_AGENT_STORE")}
     try:
@@ -80,7 +82,7 @@ def solo_world() -> Iterator[None]:
             try:
                 yield
             finally:
-                if dist.is_initialized():
+                if started_here and dist.is_initialized():
                     dist.destroy_process_group()
     finally:
         for k, v in saved.items():
@@ -95,6 +97,9 @@ def port_busy(port: int) -> Iterator[None]:
     """``port`` in use for the ``with`` block, on every address: listened on here, or already held
     by another process (then it is busy anyway). A test that must not bind a fixed port runs inside."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As torch's store does: a port only lingering in TIME_WAIT is bound, so "held by someone else"
+    # below means a listener (Linux refuses the bind then, SO_REUSEADDR or not).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         try:
             sock.bind(("0.0.0.0", port))
