@@ -41,13 +41,13 @@ def one_round_groups(lr_mults=(1, 2), steps=300, seeds=3, variants=ONE_ROUND_VAR
              [(v, s) for v in variants]) for s in range(seeds) for size in sizes for b2 in beta2s for lr in lr_mults]
 
 
-def optimizer_groups(spec, steps=150, seeds=3, variants=("stock", "paper", "la2")):
-    """Issue 43 item 4: the small model under each (optimizer, peak LR) of ``spec`` (benchmarks.sim_optimizers),
+def optimizer_groups(spec, steps=150, seeds=3, variants=("stock", "paper", "la2"), sizes=("small",)):
+    """Issue 43 item 4: each model size under each (optimizer, peak LR) of ``spec`` (benchmarks.sim_optimizers),
     warm-up 8 steps, one group per pair, its seeds stacked."""
-    return [(dict(SMALL, lr=lr, steps=steps, warmup=max(2, round(steps / 20)), eval_every=max(5, steps // 15),
+    return [(dict(SIZES[size], lr=lr, steps=steps, warmup=max(2, round(steps / 20)), eval_every=max(5, steps // 15),
                   optimizer=o),
-             {"size": "small", "optimizer": o, "lr": lr, "lr_mult": lr, "steps": steps, "beta2": 0.95},
-             [(v, s) for s in range(seeds) for v in variants]) for o, lr in spec]
+             {"size": size, "optimizer": o, "lr": lr, "lr_mult": lr, "steps": steps, "beta2": 0.95},
+             [(v, s) for s in range(seeds) for v in variants]) for size in sizes for o, lr in spec]
 
 
 def merge_seeds(results: dict) -> dict:
@@ -159,7 +159,7 @@ def main():
     ap.add_argument("--short", action="store_true", help="the 300-step groups only (stock, paper, la1.5, la2)")
     ap.add_argument("--one-round", action="store_true", help="issue 42: the small model, one-round predictors")
     ap.add_argument("--lr-mults", default="1,2", help="with --one-round")
-    ap.add_argument("--sizes", default="small", help="with --one-round: small, large or both (comma-separated)")
+    ap.add_argument("--sizes", default="small", help="with --one-round or --optimizers: small, large or both (comma-separated)")
     ap.add_argument("--beta2s", default="0.95", help="with --one-round: AdamW's β2 values (comma-separated)")
     ap.add_argument("--optimizers", default=None, help='issue 43: "sgd:0.1,0.3;adafactor:1e-3" (optimizer: peak LRs)')
     ap.add_argument("--steps", type=int, default=300, help="with --one-round or --optimizers")
@@ -183,7 +183,8 @@ def main():
     spec = [(o, float(lr)) for part in (a.optimizers or "").split(";") if part
             for o, lrs in [part.split(":")] for lr in lrs.split(",")]
     variants = a.variants.split(",") if a.variants else None
-    todo = optimizer_groups(spec, a.steps, a.seeds, variants or ("stock", "paper", "la2")) if spec else \
+    todo = optimizer_groups(spec, a.steps, a.seeds, variants or ("stock", "paper", "la2"), tuple(a.sizes.split(","))) \
+        if spec else \
         (one_round_groups(tuple(float(x) for x in a.lr_mults.split(",")), a.steps, a.seeds,
                           a.variants.split(",") if a.variants else ONE_ROUND_VARIANTS, tuple(a.sizes.split(",")),
                           tuple(float(x) for x in a.beta2s.split(",")))

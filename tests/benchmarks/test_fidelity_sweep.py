@@ -22,6 +22,19 @@ def test_one_round_groups_run_what_they_are_labelled():
     assert {runs[0][1] for _, _, runs in todo[:8]} == {0}  # seeds outermost: a stopped run has every setting
 
 
+def test_optimizer_groups_run_the_size_they_are_labelled():
+    todo = fs.optimizer_groups([("sgd", 0.1), ("adam", 3e-3)], steps=150, seeds=3, variants=("stock", "la1.5"),
+                               sizes=("small", "large"))
+    assert [(meta["size"], meta["optimizer"], meta["lr"]) for _, meta, _ in todo] == [
+        ("small", "sgd", 0.1), ("small", "adam", 3e-3), ("large", "sgd", 0.1), ("large", "adam", 3e-3)]
+    for kw, meta, runs in todo:
+        s = multirun.Setting(**kw)
+        assert (s.n_embd, s.n_layer) == ((128, 2) if meta["size"] == "small" else (272, 2))
+        assert s.optimizer == meta["optimizer"] and s.lr == meta["lr"] and s.steps == 150
+        assert runs == [(v, sd) for sd in range(3) for v in ("stock", "la1.5")]  # seeds stacked, stock beside
+    assert {meta["size"] for _, meta, _ in fs.optimizer_groups([("sgd", 0.1)])} == {"small"}  # the default
+
+
 def test_merge_seeds_pools_per_setting():
     groups = [{"size": z, "lr_mult": 1, "steps": 300, "beta2": b, "wall_s": 1.0, "runs": [{"seed": sd}]}
               for sd in (0, 1) for z in ("small", "large") for b in (0.95, 0.99)]
