@@ -17,11 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from .config_deepspeed import (ACCO_KEY, BATCH_KEYS, data_parallel_size, deepspeed_config_at,  # noqa: F401
                                load_ds_config, marked_params, requested_layout, steps_with_increment)
 from .config_blocks import (DEFAULT_LR_SCALE, DRIFT_EVERY, FAMILY_DOC, MAX_CHUNK_ELEMENTS,  # noqa: F401
-                            NORMALISED_LR_SCALE, PREDICTOR_COEFS, DynamicConfig, EstimateConfig, MetricsConfig,
-                            PredictorConfig)
-from .config_families import NORMALISED, family_of
+                            NORMALISED_LR_SCALE, PREDICTOR_COEFS, SGD_LR_SCALE, DynamicConfig, EstimateConfig,
+                            MetricsConfig, PredictorConfig)
+from .config_families import NORMALISED, SGD, family_of
 from .config_routing import (OPT_OUT_ENV, RUN_THROUGH_DS_ACCO, note_opt_out, opted_out,  # noqa: F401
                              stock_engine_refusal)
+
+FAMILY_LR_SCALE = {NORMALISED: NORMALISED_LR_SCALE, SGD: SGD_LR_SCALE}  # the rest (moment, unknown): DEFAULT_LR_SCALE
 
 class AccoConfig(BaseModel):
     """Settings of the ``"acco"`` block (see the README's config reference)."""
@@ -203,7 +205,8 @@ class AccoConfig(BaseModel):
         length where the adapter knows it (``lr_warmup_steps``: that of the scheduler DeepSpeed runs,
         :func:`.config_deepspeed.configured_lr_warmup`; None: unknown). Where the block does not set
         ``estimate.lr_scale``, the default of the optimizer's family (``DEFAULT_LR_SCALE`` for the moment
-        family and an unknown class, ``NORMALISED_LR_SCALE`` for the normalised-update family; the table:
+        family and an unknown class, ``SGD_LR_SCALE`` for SGD, ``NORMALISED_LR_SCALE`` for the normalised-update
+        family: ``FAMILY_LR_SCALE``; the table:
         config_families.py); where it does not set ``sync_warmup_steps``, the normalised-update family in
         mode 'acco' with fixed accumulation runs stock's schedule through the LR warm-up (0 where its
         length is unknown); ``"sync_warmup_steps": "lr_warmup"`` becomes that length (refused where it is
@@ -222,7 +225,7 @@ class AccoConfig(BaseModel):
             return out
         family = family_of(optimizer)
         normalised = family.family == NORMALISED
-        default = NORMALISED_LR_SCALE if normalised else DEFAULT_LR_SCALE
+        default = FAMILY_LR_SCALE.get(family.family, DEFAULT_LR_SCALE)
         given = "lr_scale" in self.estimate.model_fields_set  # "paper" sets it too
         estimate = self.estimate if given else self.estimate.model_copy(update={"lr_scale": default})
         update = {"estimate": estimate}

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-MOMENT = "moment"  # the step is proportional to a gradient moment (SGD, Adam-like): lr_scale 2 measured best
+MOMENT = "moment"  # the step is proportional to a gradient moment (Adam-like): lr_scale 2 measured best
+SGD = "sgd"  # SGD (with momentum): the step is lr × the momentum buffer; lr_scale 1.5 measured best
 NORMALISED = "normalised"  # each coordinate moves by about lr whatever the gradient (sign, RMS clip)
 
-# Measured (docs/bench/optimizers-cpu): torch AdamW, Adam (coupled decay), SGD with momentum (moment);
-# transformers' Adafactor and lion-pytorch's Lion (normalised). The rest are classified by their update rule.
+# Measured (docs/bench/optimizers-cpu): torch AdamW, Adam (coupled decay) (moment); torch SGD with momentum
+# (sgd); transformers' Adafactor and lion-pytorch's Lion (normalised). The rest are classified by their update rule.
 _NORMALISED = (
     "transformers.optimization.Adafactor",  # update RMS-clipped to 1, × lr
     "torch.optim.Adafactor", "torch.optim._adafactor.Adafactor",
@@ -25,7 +26,7 @@ _NORMALISED = (
                                                "PagedLion32bit")),
 )
 _MOMENT = (
-    *(f"torch.optim.{m}.{n}" for m, n in (("sgd", "SGD"), ("adam", "Adam"), ("adamw", "AdamW"), ("nadam", "NAdam"),
+    *(f"torch.optim.{m}.{n}" for m, n in (("adam", "Adam"), ("adamw", "AdamW"), ("nadam", "NAdam"),
                                           ("radam", "RAdam"), ("adamax", "Adamax"), ("adagrad", "Adagrad"),
                                           ("rmsprop", "RMSprop"), ("sparse_adam", "SparseAdam"))),
     "deepspeed.ops.adam.fused_adam.FusedAdam", "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam",  # "Adam", "AdamW"
@@ -34,7 +35,10 @@ _MOMENT = (
                                                      ("adamw", ("AdamW", "AdamW8bit", "AdamW32bit", "PagedAdamW")))
       for n in names),
 )
-FAMILIES: Dict[str, str] = {**{n: MOMENT for n in _MOMENT}, **{n: NORMALISED for n in _NORMALISED}}
+_SGD = ("torch.optim.sgd.SGD", "apex.optimizers.fused_sgd.FusedSGD")
+FAMILIES: Dict[str, str] = {**{n: MOMENT for n in _MOMENT}, **{n: SGD for n in _SGD},
+                            **{n: NORMALISED for n in _NORMALISED}}
+_WORDS = {MOMENT: "moment", SGD: "SGD", NORMALISED: "normalised-update"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class OptimizerFamily:
         """How the banner names it, e.g. 'Lion: normalised-update family'."""
         if self.listed is None:
             return f"{self.optimizer}: not in the optimizer family table, moment family assumed"
-        return f"{self.optimizer}: {'normalised-update' if self.family == NORMALISED else 'moment'} family"
+        return f"{self.optimizer}: {_WORDS[self.family]} family"
 
 
 def qualified_name(cls: type) -> str:

@@ -12,10 +12,17 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-# The estimate's learning-rate factor: the library's default (the look-ahead estimate, docs/estimate.md),
-# written here on its own, not imported (a test checks the two agree), and the paper's.
+# The estimate's learning-rate factor: the library's defaults (the look-ahead estimate, docs/estimate.md: 2, and
+# 1.5 under SGD), written here on their own, not imported (a test checks they agree), and the paper's.
 DEFAULT_LR_SCALE = 2.0
+SGD_LR_SCALE = 1.5
 PAPER_LR_SCALE = 1.0
+
+
+def default_lr_scale(opt: torch.optim.Optimizer) -> float:
+    """The library's default lr_scale for ``opt`` where the test's block sets none: SGD's, or the
+    look-ahead's (the normalised family's tests set theirs)."""
+    return SGD_LR_SCALE if isinstance(opt, torch.optim.SGD) else DEFAULT_LR_SCALE
 
 
 def _global_mean_grad(model: torch.nn.Module, params: Dict[str, torch.Tensor], batches) -> Dict[str, torch.Tensor]:
@@ -119,13 +126,13 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
                   mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
                   clip: float = 0.0, estimate_log: Optional[List] = None,
                   skip_estimate=(), skip_commit=(), stock_steps_first: int = 0,
-                  lr_scale: float = DEFAULT_LR_SCALE, committed_second_moment: bool = False,
+                  lr_scale: Optional[float] = None, committed_second_moment: bool = False,
                   delay_compensation: float = 0.0, sync_warmup_steps: int = 0,
                   sum_ranks: bool = False) -> Dict[str, torch.Tensor]:
     """θ_T after ``steps`` optimizer steps of ``gas`` micro-batches per rank.
 
     The estimate variants of mode 'acco' (docs/estimate.md): ``lr_scale`` (the estimate's learning
-    rate × this; default the look-ahead's 2, PAPER_LR_SCALE = 1 for the paper's estimate), ``committed_second_moment`` (Adam's v̂ from the committed state), ``delay_compensation``
+    rate × this; default the library's for the optimizer, :func:`default_lr_scale`, PAPER_LR_SCALE = 1 for the paper's estimate), ``committed_second_moment`` (Adam's v̂ from the committed state), ``delay_compensation``
     (λ of the commit's DC-ASGD-a term), ``sync_warmup_steps`` (the first that many steps are stock's,
     then ACCO bootstraps from there: θ̃ = θ). ``sum_ranks``: every gradient is the ranks' sum of their
     mean gradients (DeepSpeed's ``gradient_allreduce_op: "sum"``), world × the global mean.
@@ -137,6 +144,7 @@ def reference_run(model: torch.nn.Module, batch: Callable[[int, int], tuple], *,
     on the micro-batches that follow: a stock ZeRO-1 checkpoint resumed under ``mode``.
     """
     tr = _Trainer(model, make_optimizer, make_scheduler, clip)
+    lr_scale = default_lr_scale(tr.opt) if lr_scale is None else lr_scale
 
     def _mean_grad(model, params, batches):  # the reduction: the mean over every rank, or world x it
         grads = _global_mean_grad(model, params, batches)
@@ -250,7 +258,7 @@ def _grad_sum(model, params, batches, weight):
 def reference_replay(model: torch.nn.Module, batch: Callable[[int, int], tuple], *, phases_per_rank: List[List[int]],
                      steps: int, mode: str, make_optimizer: Callable, make_scheduler: Optional[Callable] = None,
                      clip: float = 0.0, weight: Optional[Callable] = None, lr_power: float = 0.0,
-                     nominal_phase: int = 1, lr_scale: float = DEFAULT_LR_SCALE) -> Dict[str, torch.Tensor]:
+                     nominal_phase: int = 1, lr_scale: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """θ_T given how many micro-batches every phase of every rank had (phase 0 first).
 
     ``lr_power``: each update's learning rate × (its micro-batches, all ranks / the fixed-mode
@@ -264,6 +272,7 @@ def reference_replay(model: torch.nn.Module, batch: Callable[[int, int], tuple],
     """
     weight = weight or (lambda b: 1.0)
     tr = _Trainer(model.double(), make_optimizer, make_scheduler, clip)
+    lr_scale = default_lr_scale(tr.opt) if lr_scale is None else lr_scale
     starts = [[sum(counts[:p]) for p in range(len(counts))] for counts in phases_per_rank]
 
     def phase(p):

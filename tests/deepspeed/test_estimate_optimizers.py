@@ -10,7 +10,7 @@ import pytest
 from dist import run_ranks
 from ds_ops import op_unavailable
 from fixtures import TENSOR_LR, TinyNet, batch, make_optimizer, make_scheduler
-from reference import DEFAULT_LR_SCALE, PAPER_LR_SCALE, reference_run, rel_distance
+from reference import DEFAULT_LR_SCALE, PAPER_LR_SCALE, SGD_LR_SCALE, reference_run, rel_distance
 from test_estimate_variants import GAS, STEPS, _case
 from timeouts import scaled
 import optimizer_workers
@@ -33,7 +33,9 @@ VARIANTS = {"default": (None, DEFAULT_LR_SCALE), "paper": ("paper", PAPER_LR_SCA
 # The normalised-update family's default is the paper's estimate (docs/estimate.md#the-default-per-optimizer-
 # family): their "default" case asks for lr_scale 2 explicitly, so that both rates stay covered.
 NORMALISED = ("adafactor",)
-CASES = [{"name": f"{opt}-{v}", "optimizer": opt, "ref_optimizer": ref, "lr_scale": c,
+# SGD's default is its family's, 1.5 (the "default" case leaves the block's lr_scale unset).
+CASES = [{"name": f"{opt}-{v}", "optimizer": opt, "ref_optimizer": ref,
+          "lr_scale": SGD_LR_SCALE if ref == "sgd" and v == "default" else c,
           "estimate": {"lr_scale": c} if opt.startswith(NORMALISED) and est is None else est,
           "other": PAPER_LR_SCALE if v == "default" else DEFAULT_LR_SCALE,
           "schedule": None if opt.startswith(NO_SCHEDULER) else "inv"}

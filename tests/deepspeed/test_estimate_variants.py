@@ -117,9 +117,19 @@ def test_the_paper_key_is_the_papers_schedule_bit_for_bit(runs):
 
 def test_the_default_estimate_is_the_look_ahead():
     """The default the reference assumes is the library's (each written down on its own)."""
+    import torch
     from ds_acco.config import AccoConfig
+    from reference import SGD_LR_SCALE, default_lr_scale
     assert AccoConfig.from_block({"enabled": True}).estimate.lr_scale == DEFAULT_LR_SCALE == 2.0
     assert AccoConfig.from_block({"enabled": True, "estimate": "paper"}).estimate.lr_scale == PAPER_LR_SCALE
+    p = [torch.nn.Parameter(torch.zeros(1))]
+
+    class Heavy(torch.optim.SGD):  # a subclass: its base's family, in both
+        pass
+    for opt in (torch.optim.SGD(p, lr=0.1, momentum=0.9), Heavy(p, lr=0.1), torch.optim.AdamW(p)):
+        library = AccoConfig.from_block({"enabled": True}).for_optimizer(opt).estimate.lr_scale
+        assert library == default_lr_scale(opt), type(opt).__name__
+    assert default_lr_scale(torch.optim.SGD(p, lr=0.1)) == SGD_LR_SCALE == 1.5
 
 
 def test_the_default_run_is_the_look_ahead_recurrence_bit_for_bit(runs):

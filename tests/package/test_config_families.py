@@ -6,8 +6,8 @@ config-built Lion types) and the classes of packages not installed (bitsandbytes
 import pytest
 import torch
 
-from ds_acco.config import DEFAULT_LR_SCALE, NORMALISED_LR_SCALE, AccoConfig
-from ds_acco.config_families import MOMENT, NORMALISED, family_of
+from ds_acco.config import DEFAULT_LR_SCALE, NORMALISED_LR_SCALE, SGD_LR_SCALE, AccoConfig
+from ds_acco.config_families import MOMENT, NORMALISED, SGD, family_of
 
 
 def _named(module, name):
@@ -30,9 +30,10 @@ def test_packages_and_subclasses():
     found = {c: family_of(c) for c in (Lion, MyLion, Adafactor, torch.optim.Adafactor, torch.optim.AdamW,
                                        torch.optim.SGD, _named("bitsandbytes.optim.lion", "PagedLion8bit"))}
     assert {c.__name__: f.family for c, f in found.items()} == {
-        "Lion": NORMALISED, "MyLion": NORMALISED, "Adafactor": NORMALISED, "AdamW": MOMENT, "SGD": MOMENT,
+        "Lion": NORMALISED, "MyLion": NORMALISED, "Adafactor": NORMALISED, "AdamW": MOMENT, "SGD": SGD,
         "PagedLion8bit": NORMALISED}
     assert found[MyLion].listed == "lion_pytorch.lion_pytorch.Lion"
+    assert found[torch.optim.SGD].words() == "SGD: SGD family"  # the banner's words
 
 
 def test_an_unknown_class_is_the_moment_family_and_said_so():
@@ -47,13 +48,16 @@ def test_an_unknown_class_is_the_moment_family_and_said_so():
     ({"enabled": True, "estimate": {"lr_scale": 2}}, "lion", 2.0),  # given: it wins
     ({"enabled": True, "estimate": "paper"}, "adamw", 1.0),
     ({"enabled": True}, "adamw", DEFAULT_LR_SCALE),
+    ({"enabled": True}, "sgd", SGD_LR_SCALE),
+    ({"enabled": True, "estimate": {"lr_scale": 2}}, "sgd", 2.0),
     ({"enabled": True}, "unknown", DEFAULT_LR_SCALE),
     ({"enabled": True, "mode": "auto"}, "lion", NORMALISED_LR_SCALE),  # auto's 'acco' candidate: the family's
     ({"enabled": True, "mode": "auto", "auto_modes": ["stock", "one_round"]}, "lion", DEFAULT_LR_SCALE),  # none
 ])
 def test_the_default_lr_scale_by_family_and_a_given_one_wins(block, optimizer, want):
     from lion_pytorch import Lion
-    cls = {"lion": Lion, "adamw": torch.optim.AdamW, "unknown": _named("my.pkg", "Shampoo")}[optimizer]
+    cls = {"lion": Lion, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "unknown": _named("my.pkg", "Shampoo")}[
+        optimizer]
     cfg = AccoConfig.from_block(block).for_optimizer(cls)
     assert cfg.estimate.lr_scale == want
     assert cfg.for_optimizer(cls).estimate == cfg.estimate  # once resolved, resolved
