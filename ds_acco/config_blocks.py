@@ -52,7 +52,7 @@ class MetricsConfig(BaseModel):
                           "wandb blocks).")
 
 
-DEFAULT_LR_SCALE = 2.0  # the look-ahead estimate: beat stock with every moment optimizer measured (docs/estimate.md)
+DEFAULT_LR_SCALE = 2.0  # the look-ahead estimate: beat stock at every AdamW setting up to LR x4 (docs/estimate.md)
 # The normalised-update family's default (Adafactor, Lion: every coordinate moves by about lr, so the estimate at
 # 2·lr lands a whole step further): the paper's estimate, ahead of lr_scale 2 in both measured (docs/estimate.md)
 NORMALISED_LR_SCALE = 1.0
@@ -73,7 +73,8 @@ class EstimateConfig(BaseModel):
         DEFAULT_LR_SCALE, gt=0, le=8, description="The estimate's optimizer step uses the learning rate times "
         "this (its weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is "
         "computed further along the update (a look-ahead). Default by the optimizer's family: 2 (Adam-like "
-        "and unknown optimizers: median held-out loss below stock's in every setting measured), 1.5 for SGD, 1 "
+        "and unknown optimizers: median held-out loss below stock's at every AdamW setting measured up to LR x4), "
+        "1.5 for SGD, 1 "
         "for the normalised-update family (Adafactor, Lion; docs/estimate.md#the-default-per-optimizer-family).")
     second_moment: Literal["update", "committed"] = Field(
         "update", description="Adam's second moment in the estimate: 'update' it with the half-batch gradient "

@@ -1,4 +1,4 @@
-"""The estimate, default (look-ahead, lr_scale 2) and ``"paper"``, with every optimizer family the docs
+"""The estimate, default (the family's: look-ahead lr_scale 2, SGD 1.5) and ``"paper"``, with every optimizer family the docs
 name, float and tensor learning rates, on a real DeepSpeed engine over 2 gloo ranks
 (docs/estimate.md): each run is θ_T of its own float64 recurrence (tests/reference.py, which steps a
 deep copy of the same torch optimizer at lr × c) and far from the other variant's. Optimizers without

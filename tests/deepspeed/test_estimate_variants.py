@@ -24,7 +24,7 @@ CASES = [
     # the drift metric sampled every 3 steps over 7: the commits of steps 0, 3 and 6 measure it
     {"name": "drift-every-3", "lag_only": True, "estimate": {"lr_scale": 2.0}, "ref": {"lr_scale": 2.0},
      "optimizer": "adamw", "steps": 7, "metrics": {"estimate_drift_every": 3}},
-    {"name": "lr-scale-1.5-sgd", "estimate": {"lr_scale": 1.5}, "ref": {"lr_scale": 1.5}, "optimizer": "sgd"},
+    {"name": "lr-scale-2-sgd", "estimate": {"lr_scale": 2.0}, "ref": {"lr_scale": 2.0}, "optimizer": "sgd"},  # over SGD's 1.5
     {"name": "lr-scale-1.5-adamw-clip", "estimate": {"lr_scale": 1.5}, "ref": {"lr_scale": 1.5}, "optimizer": "adamw",
      "clip": 0.05},
     {"name": "committed-v-adamw", "estimate": {"second_moment": "committed"}, "ref": {"committed_second_moment": True},

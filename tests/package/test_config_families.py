@@ -34,6 +34,8 @@ def test_packages_and_subclasses():
         "PagedLion8bit": NORMALISED}
     assert found[MyLion].listed == "lion_pytorch.lion_pytorch.Lion"
     assert found[torch.optim.SGD].words() == "SGD: SGD family"  # the banner's words
+    apex = family_of(_named("apex.optimizers.fused_sgd", "FusedSGD"))  # listed by name, apex not installed
+    assert (apex.family, apex.listed) == (SGD, "apex.optimizers.fused_sgd.FusedSGD")
 
 
 def test_an_unknown_class_is_the_moment_family_and_said_so():
