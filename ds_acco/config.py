@@ -25,6 +25,7 @@ from .config_routing import (OPT_OUT_ENV, RUN_THROUGH_DS_ACCO, note_opt_out, opt
 
 FAMILY_LR_SCALE = {NORMALISED: NORMALISED_LR_SCALE, SGD: SGD_LR_SCALE}  # the rest (moment, unknown): DEFAULT_LR_SCALE
 
+
 class AccoConfig(BaseModel):
     """Settings of the ``"acco"`` block (see the README's config reference)."""
 

@@ -74,8 +74,8 @@ class EstimateConfig(BaseModel):
         "this (its weight decay too): 1 is the paper's estimate; above 1 the first half of the next batch is "
         "computed further along the update (a look-ahead). Default by the optimizer's family: 2 (Adam-like "
         "and unknown optimizers: median held-out loss below stock's at every AdamW setting measured up to LR x4), "
-        "1.5 for SGD, 1 "
-        "for the normalised-update family (Adafactor, Lion; docs/estimate.md#the-default-per-optimizer-family).")
+        "1.5 for SGD, 1 for the normalised-update family (Adafactor, Lion; "
+        "docs/estimate.md#the-default-per-optimizer-family).")
     second_moment: Literal["update", "committed"] = Field(
         "update", description="Adam's second moment in the estimate: 'update' it with the half-batch gradient "
         "(the paper), or reuse the 'committed' one (bias-corrected for the committed steps).")
